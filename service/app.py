@@ -1,0 +1,77 @@
+"""The FastAPI application: resources built in the lifespan, routers mounted."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from .checkpoints.routes import router as checkpoints_router
+from .config import Settings
+from .db import create_engine, create_sessionmaker
+from .errors import install_error_handlers
+from .health.routes import router as health_router
+from .jobs.worker import Worker
+from .limits import BodySizeLimit
+from .regions.routes import router as regions_router
+from .resources import Resources
+from .runs.routes import router as runs_router
+from .storage.base import StoreError
+from .storage.factory import build_stores
+from .uploads.jobs import UploadJobs
+
+log = logging.getLogger("tierckpt")
+
+
+async def open_resources(settings: Settings, *, start_worker: bool = True) -> Resources:
+    engine = create_engine(settings.catalog.url)
+    stores = build_stores(settings)
+    for store in stores.values():
+        try:
+            await store.ensure_ready()
+        except StoreError as exc:
+            # A region that is down must not stop the agent: its jobs retry.
+            log.warning("region %s not ready: %s", store.region, exc)
+    resources = Resources(
+        settings=settings, engine=engine, sessionmaker=create_sessionmaker(engine), stores=stores
+    )
+    if start_worker and settings.worker.enabled:
+        handlers = UploadJobs(resources).handlers()
+        resources.worker = Worker(
+            resources.sessionmaker, handlers, settings.worker, settings.server.node
+        )
+        resources.worker.start()
+    return resources
+
+
+async def close_resources(resources: Resources) -> None:
+    if resources.worker is not None:
+        await resources.worker.stop()
+    await resources.stores.aclose()
+    await resources.engine.dispose()
+
+
+def create_app(settings: Settings, *, start_worker: bool = True) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.resources = await open_resources(settings, start_worker=start_worker)
+        try:
+            yield
+        finally:
+            await close_resources(app.state.resources)
+
+    app = FastAPI(
+        title="tierckpt",
+        version="0.1.0",
+        summary="Tiered checkpoint storage for ML training",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)
+    app.include_router(health_router)
+    app.include_router(checkpoints_router)
+    app.include_router(runs_router)
+    app.include_router(regions_router)
+    return app

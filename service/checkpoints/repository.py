@@ -1,0 +1,160 @@
+"""Catalog queries about checkpoints (no HTTP, no storage)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..models import (
+    VALID_STATES,
+    Checkpoint,
+    File,
+    Replica,
+    ReplicaState,
+    Run,
+    Shard,
+)
+
+
+async def get_or_create_run(session: AsyncSession, name: str) -> Run:
+    dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
+    await session.execute(
+        dialect.insert(Run).values(name=name).on_conflict_do_nothing(index_elements=["name"])
+    )
+    return (await session.scalars(select(Run).where(Run.name == name))).one()
+
+
+async def find_run(session: AsyncSession, name: str) -> Run | None:
+    return await session.scalar(select(Run).where(Run.name == name))
+
+
+async def find_checkpoint(
+    session: AsyncSession, run_id: int, step: int, *, for_update: bool = False
+) -> Checkpoint | None:
+    statement = select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.step == step)
+    if for_update:
+        statement = statement.with_for_update()
+    return await session.scalar(statement)
+
+
+async def shards_of(session: AsyncSession, checkpoint_ids: Sequence[int]) -> list[Shard]:
+    if not checkpoint_ids:
+        return []
+    return list(
+        await session.scalars(
+            select(Shard).where(Shard.checkpoint_id.in_(checkpoint_ids)).order_by(Shard.rank)
+        )
+    )
+
+
+async def replicas_of(session: AsyncSession, checkpoint_ids: Sequence[int]) -> list[Replica]:
+    if not checkpoint_ids:
+        return []
+    return list(
+        await session.scalars(
+            select(Replica).where(Replica.checkpoint_id.in_(checkpoint_ids)).order_by(Replica.id)
+        )
+    )
+
+
+async def files_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[int, File]]:
+    rows = await session.execute(
+        select(Shard.rank, File)
+        .join(File, File.shard_id == Shard.id)
+        .where(Shard.checkpoint_id == checkpoint_id)
+        .order_by(Shard.rank, File.path)
+    )
+    return [(rank, file) for rank, file in rows.tuples()]
+
+
+async def children_of(session: AsyncSession, run: str, step: int) -> list[tuple[str, int]]:
+    rows = await session.execute(
+        select(Run.name, Checkpoint.step)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Checkpoint.parent_run == run, Checkpoint.parent_step == step)
+        .order_by(Run.name, Checkpoint.step)
+    )
+    return [(name, child_step) for name, child_step in rows.tuples()]
+
+
+async def latest_valid(
+    session: AsyncSession, run_id: int, min_regions: int, region: str | None = None
+) -> Checkpoint | None:
+    """The valid checkpoint with the highest step (ties: newest).
+
+    The state says every shard arrived and enough regions committed; the
+    replica count is checked again here so a replica marked corrupt since
+    can never make an invalid checkpoint the answer.
+    """
+    good = (
+        select(func.count())
+        .select_from(Replica)
+        .where(Replica.checkpoint_id == Checkpoint.id, Replica.state == ReplicaState.COMMITTED)
+        .correlate(Checkpoint)
+        .scalar_subquery()
+    )
+    statement = (
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run_id, Checkpoint.state.in_(VALID_STATES), good >= min_regions)
+        .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc())
+        .limit(1)
+    )
+    if region is not None:
+        in_region = (
+            select(Replica.id)
+            .where(
+                Replica.checkpoint_id == Checkpoint.id,
+                Replica.region == region,
+                Replica.state == ReplicaState.COMMITTED,
+            )
+            .correlate(Checkpoint)
+            .exists()
+        )
+        statement = statement.where(in_region)
+    return await session.scalar(statement)
+
+
+async def list_checkpoints(
+    session: AsyncSession,
+    run_id: int,
+    *,
+    states: Sequence[str] | None,
+    min_step: int | None,
+    max_step: int | None,
+    limit: int,
+    offset: int,
+) -> tuple[list[Checkpoint], int]:
+    conditions = [Checkpoint.run_id == run_id]
+    if states:
+        conditions.append(Checkpoint.state.in_(states))
+    if min_step is not None:
+        conditions.append(Checkpoint.step >= min_step)
+    if max_step is not None:
+        conditions.append(Checkpoint.step <= max_step)
+    total = await session.scalar(select(func.count()).select_from(Checkpoint).where(*conditions))
+    page = await session.scalars(
+        select(Checkpoint)
+        .where(*conditions)
+        .order_by(Checkpoint.step.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    return list(page), int(total or 0)
+
+
+async def list_runs(
+    session: AsyncSession, limit: int, offset: int
+) -> tuple[list[tuple[Run, int, int | None]], int]:
+    total = await session.scalar(select(func.count()).select_from(Run))
+    rows = await session.execute(
+        select(Run, func.count(Checkpoint.id), func.max(Checkpoint.step))
+        .outerjoin(Checkpoint, Checkpoint.run_id == Run.id)
+        .group_by(Run.id)
+        .order_by(Run.name)
+        .limit(limit)
+        .offset(offset)
+    )
+    return [(run, count, top) for run, count, top in rows.tuples()], int(total or 0)

@@ -1,0 +1,85 @@
+"""HTTP routes for checkpoints: parse, authorize, call the service, shape the answer."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
+
+from ..auth import Action, authorize
+from ..deps import CheckpointServiceDep, PrincipalDep
+from ..models import CheckpointState
+from .schemas import CheckpointOut, CheckpointPage, LatestOut, RegisterRequest, RestorePlan
+
+router = APIRouter(prefix="/v1", tags=["checkpoints"])
+
+
+@router.post(
+    "/checkpoints",
+    status_code=202,
+    response_model=CheckpointOut,
+    responses={200: {"model": CheckpointOut, "description": "already registered, same content"}},
+)
+async def register_checkpoint(
+    body: RegisterRequest, service: CheckpointServiceDep, principal: PrincipalDep
+) -> JSONResponse:
+    authorize(principal, Action.WRITE, body.run)
+    checkpoint, created = await service.register(body)
+    return JSONResponse(checkpoint.model_dump(mode="json"), status_code=202 if created else 200)
+
+
+@router.get("/runs/{run}/checkpoints", response_model=CheckpointPage)
+async def list_checkpoints(
+    run: str,
+    service: CheckpointServiceDep,
+    principal: PrincipalDep,
+    state: Annotated[list[CheckpointState] | None, Query()] = None,
+    min_step: Annotated[int | None, Query(ge=0)] = None,
+    max_step: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> CheckpointPage:
+    authorize(principal, Action.READ, run)
+    checkpoints, total = await service.list(
+        run,
+        states=[s.value for s in state] if state else None,
+        min_step=min_step,
+        max_step=max_step,
+        limit=limit,
+        offset=offset,
+    )
+    return CheckpointPage(checkpoints=checkpoints, total=total)
+
+
+@router.get("/runs/{run}/checkpoints/{step}", response_model=CheckpointOut)
+async def get_checkpoint(
+    run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
+) -> CheckpointOut:
+    authorize(principal, Action.READ, run)
+    return await service.get(run, step)
+
+
+@router.get("/runs/{run}/latest", response_model=LatestOut)
+async def latest_checkpoint(
+    run: str,
+    service: CheckpointServiceDep,
+    principal: PrincipalDep,
+    region: str | None = None,
+    node: str | None = None,
+) -> LatestOut:
+    authorize(principal, Action.READ, run)
+    return await service.latest(run, region, node)
+
+
+@router.get("/runs/{run}/checkpoints/{step}/download", response_model=RestorePlan)
+async def restore_plan(
+    run: str,
+    step: int,
+    service: CheckpointServiceDep,
+    principal: PrincipalDep,
+    region: str | None = None,
+    rank: Annotated[int | None, Query(ge=0)] = None,
+) -> RestorePlan:
+    authorize(principal, Action.READ, run)
+    return await service.restore_plan(run, step, region, rank)

@@ -1,0 +1,180 @@
+"""Request and response bodies of the checkpoint endpoints (docs/API.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+RUN_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+MAX_STEP = 2**62
+MAX_METADATA_BYTES = 64 * 1024
+MAX_METRICS = 256
+
+
+class StrictModel(BaseModel):
+    # An unknown field is a typo the user wants to hear about.
+    model_config = ConfigDict(extra="forbid")
+
+
+class CheckpointRef(StrictModel):
+    run: str = Field(pattern=RUN_PATTERN)
+    step: int = Field(ge=0, le=MAX_STEP)
+
+
+class ClientFileHash(StrictModel):
+    path: str = Field(min_length=1, max_length=4096)
+    sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
+
+
+class RegisterRequest(StrictModel):
+    run: str = Field(pattern=RUN_PATTERN, description="[A-Za-z0-9._-]{1,128}")
+    step: int = Field(ge=0, le=MAX_STEP)
+    path: str = Field(min_length=1, max_length=4096)
+    rank: int = Field(0, ge=0)
+    world_size: int = Field(1, ge=1, le=65536)
+    epoch: int | None = Field(None, ge=0, le=MAX_STEP)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    parent: CheckpointRef | None = None
+    files: list[ClientFileHash] | None = Field(None, max_length=100_000)
+    priority: Literal["normal", "urgent"] = "normal"
+    write_seconds: float | None = Field(None, ge=0, le=86400 * 30)
+
+    @field_validator("metrics")
+    @classmethod
+    def _finite_metrics(cls, metrics: dict[str, float]) -> dict[str, float]:
+        if len(metrics) > MAX_METRICS:
+            raise ValueError(f"at most {MAX_METRICS} metrics")
+        for name, value in metrics.items():
+            if not name or len(name) > 128:
+                raise ValueError("metric names must be 1-128 characters")
+            if not math.isfinite(value):
+                raise ValueError(f"metric {name!r} must be a finite number")
+        return metrics
+
+    @field_validator("metadata")
+    @classmethod
+    def _small_metadata(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        if len(json.dumps(metadata)) > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
+        return metadata
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> RegisterRequest:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} must be below world_size {self.world_size}")
+        return self
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat(timespec="milliseconds") + "Z"
+
+
+class FileOut(BaseModel):
+    rank: int
+    path: str
+    size: int
+    sha256: str | None
+
+
+class ShardOut(BaseModel):
+    rank: int
+    node: str
+    path: str
+    state: str
+    error: str | None
+
+
+class ReplicaOut(BaseModel):
+    region: str
+    state: str
+    uri: str
+    verified_at: datetime | None
+    committed_at: datetime | None
+    error: str | None
+
+    @field_serializer("verified_at", "committed_at")
+    def _ts(self, value: datetime | None) -> str | None:
+        return _iso(value)
+
+
+class RefOut(BaseModel):
+    run: str
+    step: int
+
+
+class CheckpointOut(BaseModel):
+    run: str
+    step: int
+    state: str
+    world_size: int
+    epoch: int | None
+    priority: str
+    metrics: dict[str, float]
+    metadata: dict[str, Any]
+    parent: RefOut | None
+    children: list[RefOut]
+    created_at: datetime
+    durable_at: datetime | None
+    error: str | None
+    total_bytes: int
+    file_count: int
+    write_seconds: float | None
+    shards: list[ShardOut]
+    files: list[FileOut] | None = None
+    replicas: list[ReplicaOut]
+
+    @field_serializer("created_at", "durable_at")
+    def _ts(self, value: datetime | None) -> str | None:
+        return _iso(value)
+
+
+class LocationOut(BaseModel):
+    region: str
+    uri: str
+
+
+class LocalCopyOut(BaseModel):
+    node: str
+    path: str
+
+
+class LatestOut(CheckpointOut):
+    locations: list[LocationOut]
+    local: LocalCopyOut | None
+
+
+class CheckpointPage(BaseModel):
+    checkpoints: list[CheckpointOut]
+    total: int
+
+
+class PlanFile(BaseModel):
+    rank: int
+    path: str
+    size: int
+    sha256: str
+    url: str
+
+
+class PlanSource(BaseModel):
+    region: str
+    files: list[PlanFile]
+
+
+class RestorePlan(BaseModel):
+    run: str
+    step: int
+    world_size: int
+    sources: list[PlanSource]

@@ -1,0 +1,403 @@
+"""Checkpoint domain logic: registration, lookups, the validity answer, restore plans."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from urllib.parse import quote
+
+from sqlalchemy import insert
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..errors import BadInput, Conflict, NotFound
+from ..jobs import queue
+from ..models import (
+    PRIORITY,
+    Checkpoint,
+    CheckpointState,
+    File,
+    JobKind,
+    Replica,
+    ReplicaState,
+    Shard,
+)
+from ..resources import Resources
+from ..storage import layout
+from . import repository as repo
+from .scan import ScannedShard, scan
+from .schemas import (
+    CheckpointOut,
+    FileOut,
+    LatestOut,
+    LocalCopyOut,
+    LocationOut,
+    PlanFile,
+    PlanSource,
+    RefOut,
+    RegisterRequest,
+    ReplicaOut,
+    RestorePlan,
+    ShardOut,
+)
+
+
+def fingerprint(shard: ScannedShard, hashes: dict[str, str]) -> str:
+    """Identity of a registration's content: same files, sizes, mtimes, hashes."""
+    entries = [[f.path, f.size, f.mtime_ns, hashes.get(f.path)] for f in shard.files]
+    return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
+
+
+class CheckpointService:
+    def __init__(self, session: AsyncSession, resources: Resources) -> None:
+        self.session = session
+        self.r = resources
+        self.settings = resources.settings
+
+    # -- register ------------------------------------------------------------
+
+    async def register(self, request: RegisterRequest) -> tuple[CheckpointOut, bool]:
+        """Record a checkpoint shard and enqueue its upload; (record, created)."""
+        local = self.settings.local
+        scanned = await asyncio.to_thread(
+            scan,
+            request.path,
+            local.roots,
+            max_files=local.max_files_per_checkpoint,
+            max_path_length=local.max_path_length,
+        )
+        hashes = self._client_hashes(request, scanned)
+        print_ = fingerprint(scanned, hashes)
+        try:
+            created = await self._record(request, scanned, hashes, print_)
+        except IntegrityError:
+            # Another rank created the same run/checkpoint concurrently: the
+            # rows exist now, so one more attempt takes the normal path.
+            await self.session.rollback()
+            created = await self._record(request, scanned, hashes, print_)
+        # Committed before the answer leaves: a 202 means the registration
+        # survives a kill -9 of the agent right after it.
+        await self.session.commit()
+        if created:
+            self.r.wake_worker()
+        checkpoint = await self._checkpoint(request.run, request.step)
+        return await self.describe(request.run, checkpoint, with_files=False), created
+
+    @staticmethod
+    def _client_hashes(request: RegisterRequest, scanned: ScannedShard) -> dict[str, str]:
+        if not request.files:
+            return {}
+        known = {f.path for f in scanned.files}
+        hashes: dict[str, str] = {}
+        for entry in request.files:
+            path = entry.path.strip("/")
+            if path not in known:
+                raise BadInput(
+                    f"files[].path {entry.path!r} is not a file of {request.path}",
+                    code="unknown_file",
+                )
+            hashes[path] = entry.sha256.lower()
+        return hashes
+
+    async def _record(
+        self, request: RegisterRequest, scanned: ScannedShard, hashes: dict[str, str], print_: str
+    ) -> bool:
+        session = self.session
+        run = await repo.get_or_create_run(session, request.run)
+        checkpoint = await repo.find_checkpoint(session, run.id, request.step, for_update=True)
+        if checkpoint is None:
+            checkpoint = Checkpoint(
+                run_id=run.id,
+                step=request.step,
+                state=CheckpointState.REGISTERED,
+                world_size=request.world_size,
+                epoch=request.epoch,
+                priority=request.priority,
+                metrics=request.metrics,
+                meta=request.metadata,
+                parent_run=request.parent.run if request.parent else None,
+                parent_step=request.parent.step if request.parent else None,
+                write_seconds=request.write_seconds,
+            )
+            session.add(checkpoint)
+            await session.flush()
+            prefix = layout.step_prefix(request.run, request.step)
+            for region, store in self.r.stores.items():
+                session.add(
+                    Replica(checkpoint_id=checkpoint.id, region=region, uri=store.uri(prefix))
+                )
+        elif checkpoint.world_size != request.world_size:
+            raise Conflict(
+                f"{request.run} step {request.step} is registered with world_size "
+                f"{checkpoint.world_size}, not {request.world_size}"
+            )
+
+        existing = next(
+            (s for s in await repo.shards_of(session, [checkpoint.id]) if s.rank == request.rank),
+            None,
+        )
+        if existing is not None:
+            if existing.fingerprint == print_:
+                return False
+            raise Conflict(
+                f"{request.run} step {request.step} rank {request.rank} is already registered "
+                "with different content; register the new content under a new step"
+            )
+        if checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED):
+            raise Conflict(
+                f"{request.run} step {request.step} is {checkpoint.state}"
+                f"{': ' + checkpoint.error if checkpoint.error else ''}; register a new step"
+            )
+
+        shard = Shard(
+            checkpoint_id=checkpoint.id,
+            rank=request.rank,
+            node=self.settings.server.node,
+            path=str(scanned.directory),
+            fingerprint=print_,
+        )
+        session.add(shard)
+        await session.flush()
+        await session.execute(
+            insert(File),
+            [
+                {
+                    "shard_id": shard.id,
+                    "path": f.path,
+                    "size": f.size,
+                    "mtime_ns": f.mtime_ns,
+                    "expected_sha256": hashes.get(f.path),
+                }
+                for f in scanned.files
+            ],
+        )
+        checkpoint.total_bytes += scanned.total_bytes
+        checkpoint.file_count += len(scanned.files)
+        if request.priority == "urgent":
+            checkpoint.priority = "urgent"
+        await queue.enqueue(
+            session,
+            JobKind.UPLOAD,
+            checkpoint.id,
+            shard_id=shard.id,
+            region=self.settings.primary_region.name,
+            node=self.settings.server.node,
+            priority=PRIORITY[request.priority],
+            max_attempts=self.settings.worker.max_attempts,
+        )
+        return True
+
+    # -- reads ---------------------------------------------------------------
+
+    async def _run_id(self, run: str) -> int:
+        found = await repo.find_run(self.session, run)
+        if found is None:
+            raise NotFound(f"run {run!r} has no checkpoints", code="run_not_found")
+        return found.id
+
+    async def _checkpoint(self, run: str, step: int) -> Checkpoint:
+        checkpoint = await repo.find_checkpoint(self.session, await self._run_id(run), step)
+        if checkpoint is None:
+            raise NotFound(
+                f"run {run!r} has no checkpoint at step {step}", code="checkpoint_not_found"
+            )
+        return checkpoint
+
+    async def get(self, run: str, step: int) -> CheckpointOut:
+        return await self.describe(run, await self._checkpoint(run, step), with_files=True)
+
+    async def describe_many(self, run: str, checkpoints: list[Checkpoint]) -> list[CheckpointOut]:
+        ids = [c.id for c in checkpoints]
+        shards = defaultdict(list)
+        for shard in await repo.shards_of(self.session, ids):
+            shards[shard.checkpoint_id].append(shard)
+        replicas = defaultdict(list)
+        for replica in await repo.replicas_of(self.session, ids):
+            replicas[replica.checkpoint_id].append(replica)
+        return [
+            self._to_out(run, c, shards[c.id], replicas[c.id], children=[], files=None)
+            for c in checkpoints
+        ]
+
+    async def describe(
+        self, run: str, checkpoint: Checkpoint, *, with_files: bool
+    ) -> CheckpointOut:
+        shards = await repo.shards_of(self.session, [checkpoint.id])
+        replicas = await repo.replicas_of(self.session, [checkpoint.id])
+        children = await repo.children_of(self.session, run, checkpoint.step)
+        files = None
+        if with_files:
+            files = [
+                FileOut(rank=rank, path=f.path, size=f.size, sha256=f.sha256)
+                for rank, f in await repo.files_of(self.session, checkpoint.id)
+            ]
+        return self._to_out(run, checkpoint, shards, replicas, children, files)
+
+    def _to_out(
+        self,
+        run: str,
+        c: Checkpoint,
+        shards: list[Shard],
+        replicas: list[Replica],
+        children: list[tuple[str, int]],
+        files: list[FileOut] | None,
+    ) -> CheckpointOut:
+        order = {name: i for i, name in enumerate(self.r.stores)}
+        return CheckpointOut(
+            run=run,
+            step=c.step,
+            state=c.state,
+            world_size=c.world_size,
+            epoch=c.epoch,
+            priority=c.priority,
+            metrics=c.metrics,
+            metadata=c.meta,
+            parent=RefOut(run=c.parent_run, step=c.parent_step)
+            if c.parent_run is not None and c.parent_step is not None
+            else None,
+            children=[RefOut(run=name, step=step) for name, step in children],
+            created_at=c.created_at,
+            durable_at=c.durable_at,
+            error=c.error,
+            total_bytes=c.total_bytes,
+            file_count=c.file_count,
+            write_seconds=c.write_seconds,
+            shards=[
+                ShardOut(rank=s.rank, node=s.node, path=s.path, state=s.state, error=s.error)
+                for s in shards
+            ],
+            files=files,
+            replicas=[
+                ReplicaOut(
+                    region=r.region,
+                    state=r.state,
+                    uri=r.uri,
+                    verified_at=r.verified_at,
+                    committed_at=r.committed_at,
+                    error=r.error,
+                )
+                for r in sorted(replicas, key=lambda r: order.get(r.region, len(order)))
+            ],
+        )
+
+    async def list(
+        self,
+        run: str,
+        *,
+        states: list[str] | None,
+        min_step: int | None,
+        max_step: int | None,
+        limit: int,
+        offset: int,
+    ) -> tuple[list[CheckpointOut], int]:
+        page, total = await repo.list_checkpoints(
+            self.session,
+            await self._run_id(run),
+            states=states,
+            min_step=min_step,
+            max_step=max_step,
+            limit=limit,
+            offset=offset,
+        )
+        return await self.describe_many(run, page), total
+
+    async def latest(self, run: str, region: str | None, node: str | None) -> LatestOut:
+        if region is not None and region not in self.r.stores:
+            raise BadInput(
+                f"unknown region {region!r}; configured: {', '.join(self.r.stores)}",
+                code="unknown_region",
+            )
+        run_row = await repo.find_run(self.session, run)
+        checkpoint = None
+        if run_row is not None:
+            checkpoint = await repo.latest_valid(
+                self.session, run_row.id, self.settings.durability.min_regions, region
+            )
+        if checkpoint is None:
+            where = f" in region {region}" if region else ""
+            raise NotFound(
+                f"run {run!r} has no valid checkpoint{where} yet", code="no_valid_checkpoint"
+            )
+        out = await self.describe(run, checkpoint, with_files=True)
+        locations = [
+            LocationOut(region=r.region, uri=r.uri)
+            for r in out.replicas
+            if r.state == ReplicaState.COMMITTED
+        ]
+        local = await self._local_copy(checkpoint, out, node)
+        return LatestOut(**out.model_dump(), locations=locations, local=local)
+
+    async def _local_copy(
+        self, checkpoint: Checkpoint, out: CheckpointOut, node: str | None
+    ) -> LocalCopyOut | None:
+        """The T0 copy, only when this agent is that node and can check the
+        files are still exactly what was uploaded (size and mtime)."""
+        if node is None or node != self.settings.server.node or checkpoint.world_size != 1:
+            return None
+        shard = out.shards[0]
+        if shard.node != node:
+            return None
+        files = await repo.files_of(self.session, checkpoint.id)
+
+        def intact() -> bool:
+            for _rank, f in files:
+                try:
+                    info = os.stat(Path(shard.path) / f.path)
+                except OSError:
+                    return False
+                if info.st_size != f.size or info.st_mtime_ns != f.mtime_ns:
+                    return False
+            return True
+
+        if await asyncio.to_thread(intact):
+            return LocalCopyOut(node=node, path=shard.path)
+        return None
+
+    # -- restore plan --------------------------------------------------------
+
+    async def restore_plan(
+        self, run: str, step: int, region: str | None, rank: int | None
+    ) -> RestorePlan:
+        checkpoint = await self._checkpoint(run, step)
+        if checkpoint.state not in (CheckpointState.DURABLE, CheckpointState.REPLICATED):
+            raise Conflict(
+                f"{run} step {step} is {checkpoint.state}, not durable; wait for it or restore "
+                "the latest valid checkpoint",
+                code="not_durable",
+            )
+        if rank is not None and not 0 <= rank < checkpoint.world_size:
+            raise BadInput(
+                f"rank {rank} is outside world_size {checkpoint.world_size}", code="bad_rank"
+            )
+        if region is not None and region not in self.r.stores:
+            raise BadInput(f"unknown region {region!r}", code="unknown_region")
+        files = [
+            (r, f) for r, f in await repo.files_of(self.session, checkpoint.id) if rank in (None, r)
+        ]
+        committed = [
+            r.region
+            for r in await repo.replicas_of(self.session, [checkpoint.id])
+            if r.state == ReplicaState.COMMITTED and r.region in self.r.stores
+        ]
+        preferred = region or self.settings.primary_region.name
+        committed.sort(key=lambda name: (name != preferred, list(self.r.stores).index(name)))
+        sources = []
+        for name in committed:
+            store = self.r.stores[name]
+            plan_files = []
+            for file_rank, f in files:
+                key = layout.object_key(run, step, file_rank, f.path)
+                url = await store.presign_get(key)
+                if url is None:
+                    url = f"/v1/regions/{name}/objects/{quote(key)}"
+                plan_files.append(
+                    PlanFile(
+                        rank=file_rank, path=f.path, size=f.size, sha256=f.sha256 or "", url=url
+                    )
+                )
+            sources.append(PlanSource(region=name, files=plan_files))
+        return RestorePlan(run=run, step=step, world_size=checkpoint.world_size, sources=sources)

@@ -1,0 +1,71 @@
+"""Catalog engine and sessions for SQLite (embedded) and PostgreSQL (shared)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+
+
+def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_async_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
+
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_async_engine(url, connect_args={"timeout": 30}, **kwargs)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control from the driver so BEGIN IMMEDIATE below is
+        # what actually starts a transaction.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        # WAL lets readers run beside the one writer; FULL makes each commit
+        # survive power loss, not only a killed process; foreign keys so
+        # ON DELETE CASCADE holds as on PostgreSQL.
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        # SQLite is the single-writer path: taking the write lock at BEGIN
+        # means a transaction never fails half-way with SQLITE_BUSY when it
+        # upgrades from reading to writing; it waits its turn instead.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+@asynccontextmanager
+async def transaction(
+    sessionmaker: async_sessionmaker[AsyncSession],
+) -> AsyncIterator[AsyncSession]:
+    """One unit of work: commit on success, roll back on any error."""
+    async with sessionmaker() as session, session.begin():
+        yield session
+
+
+def is_postgres(engine_or_session: AsyncEngine | AsyncSession) -> bool:
+    bind = (
+        engine_or_session.bind if isinstance(engine_or_session, AsyncSession) else engine_or_session
+    )
+    return bind.dialect.name == "postgresql"

@@ -1,0 +1,210 @@
+"""The durable job queue kept in the catalog.
+
+Jobs are claimed with one statement, ``UPDATE … WHERE id = (SELECT … FOR
+UPDATE SKIP LOCKED LIMIT 1) RETURNING``: on PostgreSQL many agents claim
+concurrently without blocking each other; on SQLite the same statement is
+atomic because SQLite has a single writer. A claim hands out a lease token;
+every later transition checks it, so a worker whose lease expired and was
+reclaimed elsewhere can no longer complete, retry or fail that job.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..models import Job, JobState, utcnow
+
+
+class LeaseLost(Exception):
+    """The job's lease expired and another worker took it over."""
+
+
+def dedupe_key(kind: str, checkpoint_id: int, shard_id: int | None, region: str | None) -> str:
+    return f"{kind}:{checkpoint_id}:{shard_id or '-'}:{region or '-'}"
+
+
+async def enqueue(
+    session: AsyncSession,
+    kind: str,
+    checkpoint_id: int,
+    *,
+    shard_id: int | None = None,
+    region: str | None = None,
+    node: str | None = None,
+    priority: int = 0,
+    payload: dict[str, Any] | None = None,
+    max_attempts: int = 10,
+    delay_seconds: float = 0.0,
+) -> bool:
+    """Add a job unless the same one is already active; True if added.
+
+    Call it inside the transaction that creates the row the job is about, so
+    the two commit (or vanish) together.
+    """
+    values = {
+        "kind": kind,
+        "state": JobState.QUEUED,
+        "priority": priority,
+        "checkpoint_id": checkpoint_id,
+        "shard_id": shard_id,
+        "region": region,
+        "node": node,
+        "payload": payload or {},
+        "dedupe_key": dedupe_key(kind, checkpoint_id, shard_id, region),
+        "max_attempts": max_attempts,
+        "run_after": utcnow() + timedelta(seconds=delay_seconds),
+    }
+    dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
+    statement = (
+        dialect.insert(Job)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=["dedupe_key"])
+        .returning(Job.id)
+    )
+    result = await session.execute(statement)
+    return result.scalar_one_or_none() is not None
+
+
+async def claim(
+    session: AsyncSession, *, owner: str, node: str, lease_seconds: float
+) -> Job | None:
+    """Take the best runnable job for this node, or None."""
+    now = utcnow()
+    runnable = (
+        select(Job.id)
+        .where(
+            or_(
+                and_(Job.state == JobState.QUEUED, Job.run_after <= now),
+                # A running job whose lease ran out belongs to a dead worker.
+                and_(Job.state == JobState.RUNNING, Job.lease_expires_at < now),
+            ),
+            or_(Job.node.is_(None), Job.node == node),
+        )
+        .order_by(Job.priority.desc(), Job.id)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    statement = (
+        update(Job)
+        .where(Job.id == runnable)
+        .values(
+            state=JobState.RUNNING,
+            lease_token=secrets.token_hex(16),
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=lease_seconds),
+            attempts=Job.attempts + 1,
+            updated_at=now,
+        )
+        .returning(Job)
+        .execution_options(synchronize_session=False)
+    )
+    return (await session.scalars(statement)).one_or_none()
+
+
+async def extend_leases(session: AsyncSession, tokens: list[str], lease_seconds: float) -> int:
+    if not tokens:
+        return 0
+    result = await session.execute(
+        update(Job)
+        .where(Job.lease_token.in_(tokens), Job.state == JobState.RUNNING)
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount or 0  # type: ignore[attr-defined]
+
+
+async def _transition(session: AsyncSession, job: Job, **values: Any) -> None:
+    result = await session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.lease_token == job.lease_token, Job.state == JobState.RUNNING)
+        .values(updated_at=utcnow(), **values)
+        .execution_options(synchronize_session=False)
+    )
+    if not result.rowcount:  # type: ignore[attr-defined]
+        raise LeaseLost(f"job {job.id} ({job.kind}) was taken over by another worker")
+
+
+async def complete(session: AsyncSession, job: Job) -> None:
+    await _transition(
+        session,
+        job,
+        state=JobState.SUCCEEDED,
+        dedupe_key=None,
+        lease_token=None,
+        lease_expires_at=None,
+        finished_at=utcnow(),
+    )
+
+
+async def fail(session: AsyncSession, job: Job, error: str) -> None:
+    await _transition(
+        session,
+        job,
+        state=JobState.FAILED,
+        dedupe_key=None,
+        lease_token=None,
+        lease_expires_at=None,
+        last_error=error[:4000],
+        finished_at=utcnow(),
+    )
+
+
+def backoff_seconds(attempts: int, base: float, ceiling: float) -> float:
+    """Exponential backoff with full jitter: no thundering herd after an outage."""
+    return random.uniform(base / 2, min(ceiling, base * 2 ** max(attempts - 1, 0)))
+
+
+async def retry_later(session: AsyncSession, job: Job, error: str, delay_seconds: float) -> None:
+    await _transition(
+        session,
+        job,
+        state=JobState.QUEUED,
+        lease_token=None,
+        lease_owner=None,
+        lease_expires_at=None,
+        last_error=error[:4000],
+        run_after=utcnow() + timedelta(seconds=delay_seconds),
+    )
+
+
+async def release(session: AsyncSession, job: Job) -> None:
+    """Give a job back untouched (graceful shutdown): the attempt does not count."""
+    await _transition(
+        session,
+        job,
+        state=JobState.QUEUED,
+        lease_token=None,
+        lease_owner=None,
+        lease_expires_at=None,
+        attempts=Job.attempts - 1,
+        run_after=utcnow(),
+    )
+
+
+async def release_node_leases(session: AsyncSession, node: str) -> int:
+    """At agent start: jobs still leased to this node belong to its previous,
+    dead incarnation (one agent per node), so they are runnable right away
+    instead of after their lease times out."""
+    result = await session.execute(
+        update(Job)
+        .where(
+            Job.state == JobState.RUNNING, Job.lease_owner.startswith(f"{node}:", autoescape=True)
+        )
+        .values(
+            state=JobState.QUEUED,
+            lease_token=None,
+            lease_owner=None,
+            lease_expires_at=None,
+            run_after=utcnow(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount or 0  # type: ignore[attr-defined]

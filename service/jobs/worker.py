@@ -1,0 +1,232 @@
+"""The agent's background worker: claims jobs from the catalog and runs them.
+
+Concurrency is a semaphore of slots; a heartbeat extends the leases of the
+jobs in hand; ``stop()`` lets running jobs finish for a grace period and then
+cancels them and gives them back as retryable, so SIGTERM loses nothing and
+SIGKILL loses nothing either (the lease expires, or the next start of this
+node's agent releases it at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from ..config import WorkerSettings
+from ..db import transaction
+from ..models import Job
+from . import queue
+
+log = logging.getLogger("tierckpt.worker")
+
+
+class PermanentJobError(Exception):
+    """Retrying cannot help (the source file changed, the input is invalid)."""
+
+
+@dataclass
+class JobHandler:
+    """What a kind of job does. ``run`` does the I/O and then, in one
+    transaction, the catalog updates together with ``queue.complete``;
+    ``on_failure`` records a permanent failure on the domain rows."""
+
+    run: Callable[[Job], Awaitable[None]]
+    on_failure: Callable[[AsyncSession, Job, str], Awaitable[None]]
+
+
+class Worker:
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        handlers: dict[str, JobHandler],
+        settings: WorkerSettings,
+        node: str,
+    ) -> None:
+        self._sessionmaker = sessionmaker
+        self._handlers = handlers
+        self._settings = settings
+        self.node = node
+        self.owner = f"{node}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._slots = asyncio.Semaphore(settings.concurrency)
+        self._stopping = asyncio.Event()
+        self._wakeup = asyncio.Event()
+        self._running: dict[asyncio.Task[None], Job] = {}
+        self._main: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._main = asyncio.create_task(self.run(), name="tierckpt-worker")
+
+    async def run(self) -> None:
+        await self._release_previous_incarnation()
+        heartbeat = asyncio.create_task(self._heartbeat(), name="tierckpt-heartbeat")
+        try:
+            await self._claim_loop()
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            await self._drain()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        if self._main is not None:
+            await asyncio.gather(self._main, return_exceptions=True)
+
+    def wake(self) -> None:
+        """Work was just enqueued in this process: look now, not at the next poll."""
+        self._wakeup.set()
+
+    @property
+    def busy(self) -> int:
+        return len(self._running)
+
+    # -- internals -----------------------------------------------------------
+
+    async def _release_previous_incarnation(self) -> None:
+        try:
+            async with transaction(self._sessionmaker) as session:
+                released = await queue.release_node_leases(session, self.node)
+            if released:
+                log.info(
+                    "released %d job(s) left running by a previous agent on %s", released, self.node
+                )
+        except (OperationalError, DBAPIError, OSError) as exc:
+            log.warning("could not release stale leases: %s", exc)
+
+    async def _claim_loop(self) -> None:
+        while not self._stopping.is_set():
+            await self._slots.acquire()
+            if self._stopping.is_set():
+                self._slots.release()
+                break
+            try:
+                job = await self._claim()
+            except (OperationalError, DBAPIError, OSError) as exc:
+                # The catalog is unreachable: pause, keep what we hold, retry.
+                log.warning("claim failed (catalog unreachable?): %s", exc)
+                job = None
+            if job is None:
+                self._slots.release()
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), self._settings.poll_interval)
+                except TimeoutError:
+                    pass
+                continue
+            task = asyncio.create_task(self._execute(job), name=f"job-{job.id}-{job.kind}")
+            self._running[task] = job
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._running.pop(task, None)
+        self._slots.release()
+        # A finished job often enqueues the next (upload -> commit).
+        self._wakeup.set()
+
+    async def _claim(self) -> Job | None:
+        async with transaction(self._sessionmaker) as session:
+            return await queue.claim(
+                session,
+                owner=self.owner,
+                node=self.node,
+                lease_seconds=self._settings.lease_seconds,
+            )
+
+    async def _execute(self, job: Job) -> None:
+        handler = self._handlers.get(job.kind)
+        try:
+            if handler is None:
+                raise PermanentJobError(f"no handler for job kind {job.kind!r}")
+            if job.attempts > job.max_attempts:
+                raise PermanentJobError(
+                    f"gave up after {job.max_attempts} attempts: {job.last_error or 'lease expired'}"
+                )
+            await handler.run(job)
+        except asyncio.CancelledError:
+            await self._settle(job, "release", None, handler)
+            raise
+        except queue.LeaseLost as exc:
+            log.warning("%s", exc)
+        except PermanentJobError as exc:
+            log.error("job %s %s failed permanently: %s", job.id, job.kind, exc)
+            await self._settle(job, "fail", str(exc), handler)
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            if job.attempts >= job.max_attempts:
+                log.error(
+                    "job %s %s failed after %d attempts: %s",
+                    job.id,
+                    job.kind,
+                    job.attempts,
+                    message,
+                )
+                await self._settle(job, "fail", message, handler)
+            else:
+                delay = queue.backoff_seconds(
+                    job.attempts, self._settings.backoff_base, self._settings.backoff_max
+                )
+                log.warning(
+                    "job %s %s attempt %d failed, retrying in %.1fs: %s",
+                    job.id,
+                    job.kind,
+                    job.attempts,
+                    delay,
+                    message,
+                )
+                await self._settle(job, "retry", message, handler, delay)
+
+    async def _settle(
+        self,
+        job: Job,
+        action: str,
+        error: str | None,
+        handler: JobHandler | None,
+        delay: float = 0.0,
+    ) -> None:
+        try:
+            async with transaction(self._sessionmaker) as session:
+                if action == "release":
+                    await queue.release(session, job)
+                elif action == "retry":
+                    await queue.retry_later(session, job, error or "", delay)
+                else:
+                    await queue.fail(session, job, error or "")
+                    if handler is not None:
+                        await handler.on_failure(session, job, error or "")
+        except queue.LeaseLost as exc:
+            log.warning("%s", exc)
+        except Exception as exc:  # the catalog is down: the lease will expire instead
+            log.warning("could not record %s of job %s: %s", action, job.id, exc)
+
+    async def _heartbeat(self) -> None:
+        interval = self._settings.lease_seconds / 3
+        while True:
+            await asyncio.sleep(interval)
+            tokens = [j.lease_token for j in self._running.values() if j.lease_token]
+            if not tokens:
+                continue
+            try:
+                async with transaction(self._sessionmaker) as session:
+                    await queue.extend_leases(session, tokens, self._settings.lease_seconds)
+            except Exception as exc:
+                log.warning("lease heartbeat failed: %s", exc)
+
+    async def _drain(self) -> None:
+        if not self._running:
+            return
+        tasks = list(self._running)
+        _done, pending = await asyncio.wait(tasks, timeout=self._settings.shutdown_timeout)
+        for task in pending:
+            task.cancel()
+        if pending:
+            log.info("released %d unfinished job(s) at shutdown", len(pending))
+            await asyncio.gather(*pending, return_exceptions=True)

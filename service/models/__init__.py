@@ -1,0 +1,27 @@
+"""Catalog tables, one per module; importing this package registers them all."""
+
+from .base import Base, utcnow
+from .checkpoint import VALID_STATES, Checkpoint, CheckpointState
+from .file import File
+from .job import PRIORITY, Job, JobKind, JobState
+from .replica import Replica, ReplicaState
+from .run import Run
+from .shard import Shard, ShardState
+
+__all__ = [
+    "PRIORITY",
+    "VALID_STATES",
+    "Base",
+    "Checkpoint",
+    "CheckpointState",
+    "File",
+    "Job",
+    "JobKind",
+    "JobState",
+    "Replica",
+    "ReplicaState",
+    "Run",
+    "Shard",
+    "ShardState",
+    "utcnow",
+]

@@ -1,0 +1,66 @@
+"""One checkpoint of a run at a step; its shards, files and replicas hang off it."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from .base import Base, utcnow
+
+
+class CheckpointState(enum.StrEnum):
+    REGISTERED = "registered"
+    UPLOADING = "uploading"
+    DURABLE = "durable"
+    REPLICATED = "replicated"
+    FAILED = "failed"
+    CORRUPT = "corrupt"
+    DELETED = "deleted"
+
+
+# States in which a checkpoint is a candidate for `latest` (validity is then
+# decided by its committed, non-corrupt replicas).
+VALID_STATES = (CheckpointState.DURABLE, CheckpointState.REPLICATED)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "step"),
+        # `latest` walks this index backwards: run, state, highest step first.
+        Index("ix_checkpoints_latest", "run_id", "state", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16), default=CheckpointState.REGISTERED)
+    world_size: Mapped[int] = mapped_column(Integer, default=1)
+    epoch: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    priority: Mapped[str] = mapped_column(String(16), default="normal")
+    metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    parent_run: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    parent_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    write_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    total_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    file_count: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
+    durable_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)

@@ -1,0 +1,24 @@
+"""One file of a shard: what was registered, and the hash the upload computed."""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from .base import Base
+
+
+class File(Base):
+    __tablename__ = "files"
+    __table_args__ = (UniqueConstraint("shard_id", "path"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"), index=True)
+    # Relative to the shard's directory, POSIX separators.
+    path: Mapped[str] = mapped_column(Text)
+    size: Mapped[int] = mapped_column(BigInteger)
+    mtime_ns: Mapped[int] = mapped_column(BigInteger)
+    # Given by the client at registration; the upload must reproduce it.
+    expected_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Computed by the upload while streaming the bytes; None until then.
+    sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)

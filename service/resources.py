@@ -1,0 +1,27 @@
+"""Everything an agent holds while it runs, built once in the app's lifespan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from .config import Settings
+from .storage.factory import Stores
+
+if TYPE_CHECKING:
+    from .jobs.worker import Worker
+
+
+@dataclass
+class Resources:
+    settings: Settings
+    engine: AsyncEngine
+    sessionmaker: async_sessionmaker[AsyncSession]
+    stores: Stores
+    worker: Worker | None = field(default=None)
+
+    def wake_worker(self) -> None:
+        if self.worker is not None:
+            self.worker.wake()

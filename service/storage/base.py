@@ -1,0 +1,97 @@
+"""The object-store interface every region implements (S3 or a POSIX mount).
+
+Multipart is part of the interface, not an S3 detail: the upload pipeline
+streams parts in parallel the same way whatever the region's kind, and the
+POSIX store maps a multipart upload onto positional writes into a temporary
+file that is renamed into place on completion.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+
+class StoreError(Exception):
+    """A store call failed in a way worth retrying later (outage, 5xx, timeout)."""
+
+
+class ObjectNotFound(StoreError):
+    pass
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+@dataclass
+class MultipartUpload:
+    key: str
+    upload_id: str
+
+
+@dataclass(frozen=True)
+class PartRef:
+    number: int
+    etag: str
+
+
+class ObjectStore(ABC):
+    """Async access to one region's objects; keys are '/'-separated and relative."""
+
+    region: str
+    kind: str
+
+    @abstractmethod
+    def uri(self, key: str) -> str:
+        """A human- and tool-usable address (s3://bucket/key or a file path)."""
+
+    @abstractmethod
+    async def put_bytes(self, key: str, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    async def create_multipart(self, key: str) -> MultipartUpload: ...
+
+    @abstractmethod
+    async def upload_part(
+        self, upload: MultipartUpload, number: int, offset: int, data: bytes | memoryview
+    ) -> PartRef:
+        """Part ``number`` (1-based) holds the bytes at ``offset`` of the object."""
+
+    @abstractmethod
+    async def complete_multipart(self, upload: MultipartUpload, parts: list[PartRef]) -> None: ...
+
+    @abstractmethod
+    async def abort_multipart(self, upload: MultipartUpload) -> None: ...
+
+    @abstractmethod
+    async def get_range(self, key: str, start: int, length: int) -> bytes: ...
+
+    @abstractmethod
+    def iter_range(
+        self, key: str, start: int = 0, length: int | None = None, chunk_size: int = 1 << 20
+    ) -> AsyncIterator[bytes]:
+        """Stream an object (or a byte range of it) in bounded chunks."""
+
+    @abstractmethod
+    async def head(self, key: str) -> ObjectInfo | None: ...
+
+    @abstractmethod
+    async def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def list(self, prefix: str) -> AsyncIterator[ObjectInfo]: ...
+
+    @abstractmethod
+    async def presign_get(self, key: str, expires_seconds: int = 3600) -> str | None:
+        """A URL a client can GET (with Range) without credentials, or None when
+        the objects are only reachable through the service."""
+
+    async def ensure_ready(self) -> None:
+        """Create the bucket/root if missing; called once at start-up."""
+
+    async def aclose(self) -> None:
+        """Release connections."""

@@ -1,0 +1,24 @@
+"""The self-describing object layout (DESIGN.md "Object layout").
+
+    {run}/step-{step:012d}/rank-{rank:05d}/{relative/path}
+    {run}/step-{step:012d}/MANIFEST.json        # written last: the commit marker
+
+Keys are built only from validated run names, integers and relative paths
+that registration already checked; the region's prefix is added by the store.
+"""
+
+from __future__ import annotations
+
+MANIFEST_NAME = "MANIFEST.json"
+
+
+def step_prefix(run: str, step: int) -> str:
+    return f"{run}/step-{step:012d}/"
+
+
+def object_key(run: str, step: int, rank: int, relative_path: str) -> str:
+    return f"{step_prefix(run, step)}rank-{rank:05d}/{relative_path}"
+
+
+def manifest_key(run: str, step: int) -> str:
+    return f"{step_prefix(run, step)}{MANIFEST_NAME}"

@@ -1,0 +1,262 @@
+"""Upload and commit jobs: local SSD -> primary region -> MANIFEST.json last."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..db import transaction
+from ..jobs import queue
+from ..jobs.worker import JobHandler, PermanentJobError
+from ..models import (
+    Checkpoint,
+    CheckpointState,
+    File,
+    Job,
+    JobKind,
+    Replica,
+    ReplicaState,
+    Run,
+    Shard,
+    ShardState,
+    utcnow,
+)
+from ..resources import Resources
+from ..storage import layout
+from ..storage.base import StoreError
+from .manifest import ManifestFile, build_manifest, manifest_digest
+from .pipeline import UploadedFile, UploadLimits, upload_file
+from .source import SourceChanged, SourceFile
+
+TERMINAL = (CheckpointState.FAILED, CheckpointState.DELETED, CheckpointState.CORRUPT)
+
+
+async def lock_checkpoint(session: AsyncSession, checkpoint_id: int) -> Checkpoint:
+    """Serialise every state change of one checkpoint (the last shard to
+    finish must see all the others, whichever agent finishes it)."""
+    checkpoint = await session.scalar(
+        select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()
+    )
+    if checkpoint is None:
+        raise PermanentJobError(f"checkpoint {checkpoint_id} no longer exists")
+    return checkpoint
+
+
+async def mark_checkpoint_failed(session: AsyncSession, checkpoint_id: int, reason: str) -> None:
+    checkpoint = await lock_checkpoint(session, checkpoint_id)
+    if checkpoint.state in (CheckpointState.DURABLE, CheckpointState.REPLICATED, *TERMINAL):
+        return
+    checkpoint.state = CheckpointState.FAILED
+    checkpoint.error = reason
+
+
+class UploadJobs:
+    def __init__(self, resources: Resources) -> None:
+        self.r = resources
+        upload = resources.settings.upload
+        self.limits = UploadLimits(
+            part_size=upload.part_size_mb * 1024 * 1024,
+            parts=asyncio.Semaphore(upload.parts_in_flight),
+        )
+        self.files_in_flight = asyncio.Semaphore(upload.files_in_flight)
+
+    def handlers(self) -> dict[str, JobHandler]:
+        return {
+            JobKind.UPLOAD: JobHandler(run=self.upload, on_failure=self.upload_failed),
+            JobKind.COMMIT: JobHandler(run=self.commit, on_failure=self.commit_failed),
+        }
+
+    # -- upload: one shard to the primary region ------------------------------
+
+    async def upload(self, job: Job) -> None:
+        assert job.shard_id is not None and job.region is not None
+        store = self.r.stores.get(job.region)
+        if store is None:
+            raise PermanentJobError(f"region {job.region!r} is not configured on this agent")
+        async with transaction(self.r.sessionmaker) as session:
+            checkpoint = await lock_checkpoint(session, job.checkpoint_id)
+            if checkpoint.state in TERMINAL:
+                await queue.complete(session, job)
+                return
+            run = await session.get_one(Run, checkpoint.run_id)
+            shard = await session.get_one(Shard, job.shard_id)
+            files = list(await session.scalars(select(File).where(File.shard_id == shard.id)))
+            shard.state = ShardState.UPLOADING
+            if checkpoint.state == CheckpointState.REGISTERED:
+                checkpoint.state = CheckpointState.UPLOADING
+            run_name, step, rank, base = run.name, checkpoint.step, shard.rank, Path(shard.path)
+
+        sources = [
+            SourceFile(
+                path=base / f.path,
+                relative=f.path,
+                key=layout.object_key(run_name, step, rank, f.path),
+                size=f.size,
+                mtime_ns=f.mtime_ns,
+                expected_sha256=f.expected_sha256,
+            )
+            for f in files
+        ]
+        roots = self.r.settings.local.roots
+        try:
+            uploaded = await asyncio.gather(*(self._one(store, s, roots) for s in sources))
+        except SourceChanged as exc:
+            raise PermanentJobError(str(exc)) from exc
+
+        by_path = {u.relative: u for u in uploaded}
+        async with transaction(self.r.sessionmaker) as session:
+            checkpoint = await lock_checkpoint(session, job.checkpoint_id)
+            await queue.complete(session, job)
+            for f in files:
+                await session.execute(
+                    update(File).where(File.id == f.id).values(sha256=by_path[f.path].sha256)
+                )
+            await session.execute(
+                update(Shard)
+                .where(Shard.id == job.shard_id)
+                .values(state=ShardState.UPLOADED, uploaded_at=utcnow(), error=None)
+            )
+            await self._enqueue_commit_when_complete(session, checkpoint, job.region)
+        self.r.wake_worker()
+
+    async def _one(self, store, source: SourceFile, roots: list[Path]) -> UploadedFile:  # type: ignore[no-untyped-def]
+        async with self.files_in_flight:
+            return await upload_file(store, source, roots, self.limits)
+
+    async def _enqueue_commit_when_complete(
+        self, session: AsyncSession, checkpoint: Checkpoint, region: str
+    ) -> None:
+        uploaded = await session.scalar(
+            select(func.count())
+            .select_from(Shard)
+            .where(Shard.checkpoint_id == checkpoint.id, Shard.state == ShardState.UPLOADED)
+        )
+        if uploaded == checkpoint.world_size:
+            await queue.enqueue(
+                session,
+                JobKind.COMMIT,
+                checkpoint.id,
+                region=region,
+                priority=job_priority(checkpoint),
+                max_attempts=self.r.settings.worker.max_attempts,
+            )
+
+    async def upload_failed(self, session: AsyncSession, job: Job, error: str) -> None:
+        if job.shard_id is not None:
+            await session.execute(
+                update(Shard)
+                .where(Shard.id == job.shard_id)
+                .values(state=ShardState.FAILED, error=error[:4000])
+            )
+        await mark_checkpoint_failed(session, job.checkpoint_id, f"upload failed: {error}")
+
+    # -- commit: MANIFEST.json last, then the region counts ------------------
+
+    async def commit(self, job: Job) -> None:
+        assert job.region is not None
+        store = self.r.stores.get(job.region)
+        if store is None:
+            raise PermanentJobError(f"region {job.region!r} is not configured on this agent")
+        async with transaction(self.r.sessionmaker) as session:
+            checkpoint = await lock_checkpoint(session, job.checkpoint_id)
+            if checkpoint.state in TERMINAL:
+                await queue.complete(session, job)
+                return
+            run = await session.get_one(Run, checkpoint.run_id)
+            rows = (
+                await session.execute(
+                    select(Shard.rank, Shard.state, File.path, File.size, File.sha256)
+                    .join(File, File.shard_id == Shard.id)
+                    .where(Shard.checkpoint_id == checkpoint.id)
+                )
+            ).all()
+            ranks = {row.rank for row in rows}
+            if len(ranks) != checkpoint.world_size or any(
+                row.state != ShardState.UPLOADED or row.sha256 is None for row in rows
+            ):
+                raise PermanentJobError("commit attempted before every shard was uploaded")
+            parent = (
+                {"run": checkpoint.parent_run, "step": checkpoint.parent_step}
+                if checkpoint.parent_run is not None
+                else None
+            )
+            manifest = build_manifest(
+                run=run.name,
+                step=checkpoint.step,
+                world_size=checkpoint.world_size,
+                epoch=checkpoint.epoch,
+                parent=parent,
+                metrics=checkpoint.metrics,
+                metadata=checkpoint.meta,
+                created_at=checkpoint.created_at,
+                files=[ManifestFile(r.rank, r.path, r.size, r.sha256) for r in rows],
+            )
+            key = layout.manifest_key(run.name, checkpoint.step)
+
+        try:
+            await store.put_bytes(key, manifest)
+        except StoreError:
+            raise  # retried with backoff by the worker
+
+        async with transaction(self.r.sessionmaker) as session:
+            checkpoint = await lock_checkpoint(session, job.checkpoint_id)
+            await queue.complete(session, job)
+            now = utcnow()
+            await session.execute(
+                update(Replica)
+                .where(Replica.checkpoint_id == checkpoint.id, Replica.region == job.region)
+                .values(
+                    state=ReplicaState.COMMITTED,
+                    manifest_sha256=manifest_digest(manifest),
+                    committed_at=now,
+                    error=None,
+                )
+            )
+            await refresh_state(
+                session,
+                checkpoint,
+                self.r.settings.durability.min_regions,
+                len(self.r.settings.regions),
+            )
+
+    async def commit_failed(self, session: AsyncSession, job: Job, error: str) -> None:
+        await session.execute(
+            update(Replica)
+            .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
+            .values(error=error[:4000])
+        )
+        await mark_checkpoint_failed(session, job.checkpoint_id, f"commit failed: {error}")
+
+
+def job_priority(checkpoint: Checkpoint) -> int:
+    from ..models import PRIORITY
+
+    return PRIORITY.get(checkpoint.priority, 0)
+
+
+async def refresh_state(
+    session: AsyncSession, checkpoint: Checkpoint, min_regions: int, region_count: int
+) -> None:
+    """Derive durable/replicated from the committed replicas (validity rule)."""
+    if checkpoint.state in TERMINAL:
+        return
+    committed = (
+        await session.scalar(
+            select(func.count())
+            .select_from(Replica)
+            .where(Replica.checkpoint_id == checkpoint.id, Replica.state == ReplicaState.COMMITTED)
+        )
+        or 0
+    )
+    if committed >= min_regions:
+        if checkpoint.durable_at is None:
+            checkpoint.durable_at = utcnow()
+        checkpoint.state = (
+            CheckpointState.REPLICATED
+            if region_count > 1 and committed >= region_count
+            else CheckpointState.DURABLE
+        )
+        checkpoint.error = None
