@@ -67,7 +67,7 @@ async def files_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[int,
         .where(Shard.checkpoint_id == checkpoint_id)
         .order_by(Shard.rank, File.path)
     )
-    return [(rank, file) for rank, file in rows.tuples()]
+    return [(rank, file) for rank, file in rows]
 
 
 async def children_of(session: AsyncSession, run: str, step: int) -> list[tuple[str, int]]:
@@ -77,7 +77,7 @@ async def children_of(session: AsyncSession, run: str, step: int) -> list[tuple[
         .where(Checkpoint.parent_run == run, Checkpoint.parent_step == step)
         .order_by(Run.name, Checkpoint.step)
     )
-    return [(name, child_step) for name, child_step in rows.tuples()]
+    return [(name, child_step) for name, child_step in rows]
 
 
 async def latest_valid(
@@ -157,4 +157,4 @@ async def list_runs(
         .limit(limit)
         .offset(offset)
     )
-    return [(run, count, top) for run, count, top in rows.tuples()], int(total or 0)
+    return [(run, count, top) for run, count, top in rows], int(total or 0)

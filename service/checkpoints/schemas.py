@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import (
@@ -78,7 +78,11 @@ class RegisterRequest(StrictModel):
 
 
 def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat(timespec="milliseconds") + "Z"
+    if value is None:
+        return None
+    if value.tzinfo is not None:  # parsed back from our own output
+        value = value.astimezone(UTC).replace(tzinfo=None)
+    return value.isoformat(timespec="milliseconds") + "Z"
 
 
 class FileOut(BaseModel):

@@ -6,6 +6,8 @@ from datetime import datetime
 
 from pydantic import BaseModel, field_serializer
 
+from ..checkpoints.schemas import _iso
+
 
 class RunOut(BaseModel):
     run: str
@@ -14,8 +16,8 @@ class RunOut(BaseModel):
     created_at: datetime
 
     @field_serializer("created_at")
-    def _ts(self, value: datetime) -> str:
-        return value.isoformat(timespec="milliseconds") + "Z"
+    def _ts(self, value: datetime) -> str | None:
+        return _iso(value)
 
 
 class RunPage(BaseModel):

@@ -1,0 +1,186 @@
+"""Human output of the CLI: compact rich tables and the restore progress bar.
+
+Machine output (``--json``) does not come through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
+
+from rich.console import Console, Group
+from rich.filesize import decimal
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from .models import Checkpoint, RunSummary
+
+_STYLE = {
+    "registered": "yellow",
+    "uploading": "yellow",
+    "pending": "yellow",
+    "durable": "green",
+    "replicated": "green",
+    "committed": "green",
+    "uploaded": "green",
+    "failed": "red",
+    "corrupt": "red",
+    "deleted": "dim",
+}
+
+
+def console() -> Console:
+    return Console(highlight=False)
+
+
+def state(value: str | None) -> Text:
+    if value is None:
+        return Text("-", style="dim")
+    return Text(value, style=_STYLE.get(value, ""))
+
+
+def when(value: datetime | None) -> str:
+    if value is None:
+        return "-"
+    if value.tzinfo is not None:
+        value = value.astimezone(UTC)
+    return value.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def size(value: int | None) -> str:
+    return "-" if value is None else decimal(value)
+
+
+def _regions(checkpoints: Iterable[Checkpoint]) -> list[str]:
+    seen: dict[str, None] = {}
+    for checkpoint in checkpoints:
+        for replica in checkpoint.replicas:
+            seen.setdefault(replica.region)
+    return list(seen)
+
+
+def checkpoints_table(checkpoints: list[Checkpoint], title: str | None = None) -> Table:
+    regions = _regions(checkpoints)
+    table = Table(title=title, box=None, pad_edge=False, header_style="bold")
+    for column in ("step", "state", "size", "files", "created"):
+        table.add_column(column, justify="right" if column in ("step", "size", "files") else "left")
+    for region in regions:
+        table.add_column(region)
+    for checkpoint in checkpoints:
+        replicas = {replica.region: replica.state for replica in checkpoint.replicas}
+        table.add_row(
+            str(checkpoint.step),
+            state(checkpoint.state),
+            size(checkpoint.total_bytes),
+            "-" if checkpoint.file_count is None else str(checkpoint.file_count),
+            when(checkpoint.created_at),
+            *(state(replicas.get(region)) for region in regions),
+        )
+    return table
+
+
+def checkpoint_detail(checkpoint: Checkpoint) -> Group:
+    parts: list[Table | Text] = [
+        checkpoints_table([checkpoint], title=f"{checkpoint.run} step {checkpoint.step}")
+    ]
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    facts.add_row("durable", when(checkpoint.durable_at))
+    if checkpoint.epoch is not None:
+        facts.add_row("epoch", str(checkpoint.epoch))
+    if checkpoint.parent:
+        facts.add_row("parent", str(checkpoint.parent))
+    if checkpoint.children:
+        facts.add_row("children", ", ".join(str(child) for child in checkpoint.children))
+    if checkpoint.metrics:
+        metrics = ", ".join(f"{name}={value:g}" for name, value in checkpoint.metrics.items())
+        facts.add_row("metrics", metrics)
+    if checkpoint.error:
+        facts.add_row("error", Text(checkpoint.error, style="red"))
+    parts.append(facts)
+    if checkpoint.shards:
+        shards = Table(box=None, pad_edge=False, header_style="bold")
+        for column in ("rank", "node", "state", "path"):
+            shards.add_column(column)
+        for shard in checkpoint.shards:
+            shards.add_row(
+                str(shard.rank), shard.node or "-", state(shard.state), shard.path or "-"
+            )
+        parts.append(shards)
+    if checkpoint.replicas:
+        replicas = Table(box=None, pad_edge=False, header_style="bold")
+        for column in ("region", "state", "verified", "uri"):
+            replicas.add_column(column)
+        for replica in checkpoint.replicas:
+            replicas.add_row(
+                replica.region, state(replica.state), when(replica.verified_at), replica.uri or "-"
+            )
+        parts.append(replicas)
+    return Group(*parts)
+
+
+def latest_table(checkpoint: Checkpoint) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("step", "state", "created", "locations"):
+        table.add_column(column, justify="right" if column == "step" else "left")
+    locations = [f"{loc.region}: {loc.uri or '-'}" for loc in checkpoint.locations]
+    if checkpoint.local is not None:
+        locations.insert(0, f"local {checkpoint.local.node}: {checkpoint.local.path}")
+    table.add_row(
+        str(checkpoint.step),
+        state(checkpoint.state),
+        when(checkpoint.created_at),
+        "\n".join(locations) or "-",
+    )
+    return table
+
+
+def runs_table(runs: list[RunSummary]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("run", "checkpoints", "latest", "created"):
+        table.add_column(column, justify="right" if column in ("checkpoints", "latest") else "left")
+    for run in runs:
+        latest = "-" if run.latest_step is None else str(run.latest_step)
+        table.add_row(run.run, str(run.checkpoints), latest, when(run.created_at))
+    return table
+
+
+class TransferMeter:
+    """Progress callback for restore: remembers the byte total and, on a
+    terminal, drives a progress bar."""
+
+    def __init__(self, progress: Progress | None, label: str):
+        self.total = 0
+        self._progress = progress
+        self._task = progress.add_task(label, total=None) if progress is not None else None
+
+    def __call__(self, done: int, total: int) -> None:
+        self.total = total
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, completed=done, total=total)
+
+
+@contextlib.contextmanager
+def transfer_meter(label: str, show: bool) -> Iterator[TransferMeter]:
+    if not show:
+        yield TransferMeter(None, label)
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console()) as progress:
+        yield TransferMeter(progress, label)

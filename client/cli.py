@@ -1,0 +1,334 @@
+"""The ``tierckpt`` command line.
+
+Exit codes: 0 ok, 1 not found, 2 bad usage or input (including 4xx answers
+of the service), 3 server error or unreachable. Those outcomes print
+``error: <message>`` on stderr, never a traceback. ``--json`` puts exactly
+one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic_core import to_jsonable_python
+
+from . import _render
+from ._api import DEFAULT_URL
+from .errors import (
+    BadRequestError,
+    DestinationError,
+    NotFoundError,
+    TierckptError,
+)
+from .sync_client import CheckpointClient
+
+OK, NOT_FOUND, BAD_INPUT, SERVER_ERROR = 0, 1, 2, 3
+INTERRUPTED = 130
+
+
+class _StderrHandler(logging.Handler):
+    # Looks sys.stderr up at each record: rich's progress bar and pytest both
+    # swap it, and a handler bound at start-up would write past them.
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"{record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+
+
+_LOG_HANDLER = _StderrHandler(logging.INFO)
+
+
+def _setup_logging() -> None:
+    logger = logging.getLogger("tierckpt.client")
+    if _LOG_HANDLER not in logger.handlers:
+        logger.addHandler(_LOG_HANDLER)
+        logger.setLevel(logging.INFO)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
+    return value
+
+
+def _metric(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"metric {name} is not a number: {value!r}") from None
+
+
+def _parent(text: str) -> tuple[str, int] | int:
+    """``RUN:STEP``, or a bare ``STEP`` in the same run."""
+    run, sep, step = text.rpartition(":")
+    if sep and not run:
+        raise argparse.ArgumentTypeError(f"expected RUN:STEP, got {text!r}")
+    step_value = _non_negative(step)
+    return (run, step_value) if sep else step_value
+
+
+def _global_options(for_subcommand: bool) -> argparse.ArgumentParser:
+    # The same options hang on the main parser and on every subcommand, so
+    # they work on either side of it; the subcommand copies default to
+    # SUPPRESS so they do not overwrite a value given before the subcommand.
+    unset = argparse.SUPPRESS
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--server",
+        metavar="URL",
+        default=unset if for_subcommand else None,
+        help=f"service URL (default: $TIERCKPT_URL, else {DEFAULT_URL})",
+    )
+    options.add_argument(
+        "--json",
+        action="store_true",
+        default=unset if for_subcommand else False,
+        help="print one JSON document on stdout, for machines",
+    )
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierckpt",
+        description="Tiered checkpoint storage for ML training.",
+        parents=[_global_options(False)],
+        epilog="The token comes from $TIERCKPT_TOKEN.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = [_global_options(True)]
+
+    def command(name: str, handler: Callable[..., int], help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, parents=common, help=help_text, description=help_text)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    for name, handler, text in (
+        ("serve", _serve, "run the tierckpt service (agent) on this node"),
+        ("migrate", _migrate, "upgrade the catalog database schema"),
+    ):
+        sub = command(name, handler, text)
+        sub.add_argument("--config", metavar="FILE", help="TOML configuration file")
+
+    sub = command("register", _register, "register a checkpoint written on this node")
+    sub.add_argument("run")
+    sub.add_argument("step", type=_non_negative)
+    sub.add_argument("path", help="checkpoint directory on this node")
+    sub.add_argument("--rank", type=_non_negative, default=0)
+    sub.add_argument("--world-size", type=_positive, default=1)
+    sub.add_argument("--epoch", type=_non_negative)
+    sub.add_argument(
+        "--metric",
+        type=_metric,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a numeric metric; repeat for several",
+    )
+    sub.add_argument("--parent", type=_parent, metavar="RUN:STEP")
+    sub.add_argument("--priority", choices=("normal", "urgent"), default="normal")
+    sub.add_argument("--wait", action="store_true", help="wait until the checkpoint is durable")
+    sub.add_argument(
+        "--timeout", type=_seconds, metavar="S", help="give up waiting after S seconds"
+    )
+
+    sub = command("latest", _latest, "show the latest valid checkpoint of a run")
+    sub.add_argument("run")
+    sub.add_argument("--region", help="prefer this region's location")
+    sub.add_argument("--node", help="report a local copy still on this node")
+
+    sub = command("restore", _restore, "download and verify a checkpoint into DEST")
+    sub.add_argument("run")
+    sub.add_argument("dest", help="new or empty directory")
+    sub.add_argument("--step", type=_non_negative, help="default: the latest valid checkpoint")
+    sub.add_argument("--region", help="preferred region; others are fallbacks")
+    sub.add_argument("--rank", type=_non_negative, help="only this rank's files")
+
+    sub = command("status", _status, "show the checkpoints of a run, or one in detail")
+    sub.add_argument("run")
+    sub.add_argument("step", nargs="?", type=_non_negative)
+    sub.add_argument("--limit", type=_positive, default=20, help="checkpoints listed (default 20)")
+
+    command("runs", _runs, "list runs")
+    return parser
+
+
+def _client(args: argparse.Namespace) -> CheckpointClient:
+    server = args.server or os.environ.get("TIERCKPT_URL") or DEFAULT_URL
+    return CheckpointClient(server, token=os.environ.get("TIERCKPT_TOKEN") or None)
+
+
+def _emit_json(value: Any) -> None:
+    print(json.dumps(to_jsonable_python(value), indent=2))
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from tierckpt.service.main import serve
+    except ImportError as exc:
+        return _fail(f"the tierckpt service is not available: {exc}", SERVER_ERROR)
+    serve(args.config)
+    return OK
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    try:
+        from tierckpt.service.main import migrate
+    except ImportError as exc:
+        return _fail(f"the tierckpt service is not available: {exc}", SERVER_ERROR)
+    migrate(args.config)
+    return OK
+
+
+def _register(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        checkpoint = client.register(
+            args.run,
+            args.step,
+            args.path,
+            rank=args.rank,
+            world_size=args.world_size,
+            metrics=dict(args.metric) or None,
+            parent=args.parent,
+            priority=args.priority,
+            epoch=args.epoch,
+        )
+        if not args.json:
+            _render.console().print(
+                f"registered {checkpoint.run}:{checkpoint.step} rank {args.rank}: ",
+                _render.state(checkpoint.state),
+                sep="",
+            )
+        if args.wait or args.timeout is not None:
+            checkpoint = client.wait(args.run, args.step, state="durable", timeout=args.timeout)
+            if not args.json:
+                _render.console().print(
+                    f"{checkpoint.run}:{checkpoint.step} is ",
+                    _render.state(checkpoint.state),
+                    sep="",
+                )
+    if args.json:
+        _emit_json(checkpoint)
+    return OK
+
+
+def _latest(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        checkpoint = client.latest(args.run, region=args.region, node=args.node)
+    if checkpoint is None:
+        return _fail(f"run {args.run} has no valid checkpoint", NOT_FOUND)
+    if args.json:
+        _emit_json(checkpoint)
+    else:
+        _render.console().print(_render.latest_table(checkpoint))
+    return OK
+
+
+def _restore(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        step = args.step
+        if step is None:
+            latest = client.latest(args.run, region=args.region)
+            if latest is None:
+                return _fail(f"run {args.run} has no valid checkpoint", NOT_FOUND)
+            step = latest.step
+        show = not args.json and sys.stdout.isatty()
+        with _render.transfer_meter(f"{args.run}:{step}", show) as meter:
+            path = client.restore(
+                args.run, args.dest, step=step, region=args.region, rank=args.rank, progress=meter
+            )
+    if args.json:
+        _emit_json({"run": args.run, "step": step, "path": str(path), "bytes": meter.total})
+    else:
+        size = _render.size(meter.total)
+        _render.console().print(f"restored {args.run}:{step} ({size}, verified) to {path}")
+    return OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.step is not None:
+            checkpoint = client.get(args.run, args.step)
+            if args.json:
+                _emit_json(checkpoint)
+            else:
+                _render.console().print(_render.checkpoint_detail(checkpoint))
+            return OK
+        checkpoints = client.list_checkpoints(args.run, limit=args.limit)
+    if not checkpoints:
+        return _fail(f"run {args.run} has no checkpoints", NOT_FOUND)
+    if args.json:
+        _emit_json({"run": args.run, "checkpoints": checkpoints})
+    else:
+        _render.console().print(_render.checkpoints_table(checkpoints, title=args.run))
+    return OK
+
+
+def _runs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        runs = client.runs()
+    if args.json:
+        _emit_json({"runs": runs})
+    else:
+        _render.console().print(_render.runs_table(runs))
+    return OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        # argparse already printed usage or help.
+        return exc.code if isinstance(exc.code, int) else BAD_INPUT
+    _setup_logging()
+    try:
+        return int(args.handler(args))
+    except NotFoundError as exc:
+        return _fail(exc.message, NOT_FOUND)
+    except (BadRequestError, DestinationError) as exc:
+        return _fail(exc.message, BAD_INPUT)
+    except TierckptError as exc:
+        # ServerError, RestoreError, CheckpointFailedError
+        return _fail(exc.message, SERVER_ERROR)
+    except TimeoutError as exc:
+        return _fail(str(exc), SERVER_ERROR)
+    except KeyboardInterrupt:
+        return _fail("interrupted", INTERRUPTED)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

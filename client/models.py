@@ -1,0 +1,135 @@
+"""Pydantic mirrors of the JSON objects in docs/API.md.
+
+Unknown fields are ignored and most fields are optional, so the service can
+grow its answers without breaking clients already deployed on trainers.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# "Wait until at least" order; anything else is either a terminal failure or a
+# state this client version does not know yet (treated as not reached).
+STATE_ORDER = ("registered", "uploading", "durable", "replicated")
+FAILED_STATES = frozenset({"failed", "corrupt", "deleted"})
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+def _null_as_empty(value: Any, empty: Any) -> Any:
+    return empty if value is None else value
+
+
+class CheckpointRef(_Model):
+    run: str
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.run}:{self.step}"
+
+
+class FileEntry(_Model):
+    rank: int = 0
+    path: str
+    size: int
+    sha256: str | None = None
+
+
+class Shard(_Model):
+    rank: int
+    node: str | None = None
+    path: str | None = None
+    state: str
+    error: str | None = None
+
+
+class Replica(_Model):
+    region: str
+    state: str
+    uri: str | None = None
+    verified_at: datetime | None = None
+    error: str | None = None
+
+
+class Location(_Model):
+    region: str
+    uri: str | None = None
+
+
+class LocalCopy(_Model):
+    node: str
+    path: str
+
+
+class Checkpoint(_Model):
+    run: str
+    step: int
+    state: str
+    world_size: int = 1
+    epoch: int | None = None
+    priority: str = "normal"
+    metrics: dict[str, float] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    parent: CheckpointRef | None = None
+    children: list[CheckpointRef] = Field(default_factory=list)
+    created_at: datetime | None = None
+    durable_at: datetime | None = None
+    error: str | None = None
+    total_bytes: int | None = None
+    file_count: int | None = None
+    write_seconds: float | None = None
+    shards: list[Shard] = Field(default_factory=list)
+    files: list[FileEntry] = Field(default_factory=list)
+    replicas: list[Replica] = Field(default_factory=list)
+    # Only in the answer of `latest`.
+    locations: list[Location] = Field(default_factory=list)
+    local: LocalCopy | None = None
+
+    @field_validator("metrics", "metadata", mode="before")
+    @classmethod
+    def _dict_or_empty(cls, value: Any) -> Any:
+        return _null_as_empty(value, {})
+
+    @field_validator("children", "shards", "files", "replicas", "locations", mode="before")
+    @classmethod
+    def _list_or_empty(cls, value: Any) -> Any:
+        return _null_as_empty(value, [])
+
+    @property
+    def ref(self) -> CheckpointRef:
+        return CheckpointRef(run=self.run, step=self.step)
+
+
+class RunSummary(_Model):
+    run: str
+    checkpoints: int = 0
+    latest_step: int | None = None
+    created_at: datetime | None = None
+
+
+class PlanFile(_Model):
+    rank: int = 0
+    path: str
+    size: int = Field(ge=0)
+    sha256: str | None = None
+    url: str
+
+
+class RestoreSource(_Model):
+    region: str
+    files: list[PlanFile] = Field(default_factory=list)
+
+
+class RestorePlan(_Model):
+    """Answer of ``GET …/checkpoints/{step}/download``: one source per region
+    holding a committed copy, preferred first."""
+
+    run: str
+    step: int
+    world_size: int = 1
+    sources: list[RestoreSource] = Field(default_factory=list)

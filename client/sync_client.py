@@ -1,0 +1,230 @@
+"""Synchronous client of the tierckpt HTTP API (httpx.Client).
+
+Same methods as :class:`AsyncCheckpointClient`, built from the same request
+descriptions in ``_api``. Only ``restore`` runs an event loop, to reuse the
+parallel downloader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+
+from . import _api
+from ._api import DEFAULT_URL, USER_AGENT, Call, FilesLike, ParentLike
+from ._download import TransferOptions
+from .errors import NotFoundError, error_from_transport
+from .models import Checkpoint, RestorePlan, RunSummary
+from .restore import Progress, check_destination, restore_from_plan
+
+T = TypeVar("T")
+
+
+def _run_blocking(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a coroutine to completion from synchronous code, even when the
+    caller already sits inside an event loop (a notebook, an async app)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierckpt-restore") as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
+class CheckpointClient:
+    """``with CheckpointClient(url, token) as c: c.register(run, step, path)``.
+
+    ``transport`` replaces the network for API calls; ``async_transport`` for
+    restore downloads (defaults to ``transport`` when it can serve both, as
+    ``httpx.MockTransport`` does). ``transfer`` tunes restore downloads.
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        token: str | None = None,
+        timeout: float = 30.0,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        async_transport: httpx.AsyncBaseTransport | None = None,
+        transfer: TransferOptions | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        self._timeout = timeout
+        self._transfer = transfer or TransferOptions()
+        if async_transport is None and isinstance(transport, httpx.AsyncBaseTransport):
+            async_transport = transport
+        self._async_transport = async_transport
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=timeout,
+            transport=transport,
+            headers={"User-Agent": USER_AGENT},
+        )
+
+    def __enter__(self) -> CheckpointClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _send(self, call: Call[T]) -> T:
+        try:
+            response = self._http.request(**_api.request_args(call, self._token))
+        except httpx.RequestError as exc:
+            raise error_from_transport(exc, self.base_url) from exc
+        return _api.parse_response(call, response)
+
+    def register(
+        self,
+        run: str,
+        step: int,
+        path: str | os.PathLike[str],
+        rank: int = 0,
+        world_size: int = 1,
+        metrics: Mapping[str, float] | None = None,
+        parent: ParentLike = None,
+        priority: str = "normal",
+        epoch: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        files: FilesLike = None,
+        write_seconds: float | None = None,
+    ) -> Checkpoint:
+        """Register a checkpoint written at ``path``; returns at once (202)."""
+        return self._send(
+            _api.register(
+                run,
+                step,
+                path,
+                rank=rank,
+                world_size=world_size,
+                metrics=metrics,
+                parent=parent,
+                priority=priority,
+                epoch=epoch,
+                metadata=metadata,
+                files=files,
+                write_seconds=write_seconds,
+            )
+        )
+
+    def get(self, run: str, step: int) -> Checkpoint:
+        return self._send(_api.get(run, step))
+
+    def list_checkpoints(
+        self,
+        run: str,
+        state: str | None = None,
+        min_step: int | None = None,
+        max_step: int | None = None,
+        limit: int | None = None,
+        offset: int | None = None,
+    ) -> list[Checkpoint]:
+        """Checkpoints of ``run``, newest step first, without their file lists."""
+        call = _api.list_checkpoints(
+            run, state=state, min_step=min_step, max_step=max_step, limit=limit, offset=offset
+        )
+        return self._send(call)
+
+    def runs(self, limit: int | None = None, offset: int | None = None) -> list[RunSummary]:
+        return self._send(_api.runs(limit=limit, offset=offset))
+
+    def latest(
+        self, run: str, region: str | None = None, node: str | None = None
+    ) -> Checkpoint | None:
+        """The latest valid checkpoint of ``run`` with its locations, or None."""
+        return self._send(_api.latest(run, region=region, node=node))
+
+    def wait(
+        self,
+        run: str,
+        step: int,
+        state: str = "durable",
+        timeout: float | None = None,
+        poll_interval: float = 0.2,
+    ) -> Checkpoint:
+        """Poll until the checkpoint reaches at least ``state``.
+
+        Raises CheckpointFailedError if it ends failed/corrupt/deleted and
+        TimeoutError after ``timeout`` seconds.
+        """
+        target = _api.check_wait_target(state)
+        deadline = _api.wait_deadline(timeout)
+        while True:
+            checkpoint = self.get(run, step)
+            if _api.wait_reached(checkpoint, target):
+                return checkpoint
+            delay = _api.next_poll_delay(deadline, poll_interval)
+            if delay is None:
+                raise _api.wait_timeout_error(run, step, state, checkpoint, timeout)
+            time.sleep(delay)
+
+    def restore_plan(
+        self, run: str, step: int | None = None, region: str | None = None, rank: int | None = None
+    ) -> RestorePlan:
+        """Where each file of a checkpoint can be downloaded from; ``step``
+        defaults to the latest valid checkpoint."""
+        if step is None:
+            latest = self.latest(run, region=region)
+            if latest is None:
+                raise NotFoundError(
+                    f"run {run} has no valid checkpoint", code="no_valid_checkpoint"
+                )
+            step = latest.step
+        return self._send(_api.restore_plan(run, step, region=region, rank=rank))
+
+    def restore(
+        self,
+        run: str,
+        dest: str | os.PathLike[str],
+        step: int | None = None,
+        region: str | None = None,
+        rank: int | None = None,
+        progress: Progress | None = None,
+    ) -> Path:
+        """Download and verify a checkpoint into ``dest`` (which must not exist
+        or be empty); returns ``dest``. Falls back across regions."""
+        check_destination(dest)
+        plan = self.restore_plan(run, step, region=region, rank=rank)
+
+        async def download() -> Path:
+            http = httpx.AsyncClient(
+                base_url=self.base_url,
+                timeout=self._timeout,
+                transport=self._async_transport,
+                headers={"User-Agent": USER_AGENT},
+            )
+            try:
+                return await restore_from_plan(
+                    plan,
+                    dest,
+                    http=http,
+                    token=self._token,
+                    rank=rank,
+                    progress=progress,
+                    options=self._transfer,
+                )
+            finally:
+                # Closing the client closes its transport; one passed in by the
+                # caller must survive for the next restore.
+                if self._async_transport is None:
+                    await http.aclose()
+
+        return _run_blocking(download)

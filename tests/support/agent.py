@@ -1,0 +1,117 @@
+"""An in-process agent for integration tests: real catalog, real stores, real worker.
+
+The FastAPI app runs its own lifespan (engine, stores, worker) and is reached
+through ``httpx.ASGITransport``; the catalog is migrated with Alembic first,
+so every integration test also exercises the migrations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tierckpt.service.app import create_app
+from tierckpt.service.config import Settings
+from tierckpt.service.migrate import upgrade
+from tierckpt.service.resources import Resources
+
+
+@dataclass
+class Agent:
+    http: httpx.AsyncClient
+    resources: Resources
+    ssd: Path
+    settings: Settings
+
+    async def register(self, run: str, step: int, path: Path, **extra: Any) -> httpx.Response:
+        return await self.http.post(
+            "/v1/checkpoints", json={"run": run, "step": step, "path": str(path), **extra}
+        )
+
+    async def wait_state(
+        self, run: str, step: int, states: tuple[str, ...] = ("durable", "replicated"), timeout: float = 60
+    ) -> dict[str, Any]:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            answer = (await self.http.get(f"/v1/runs/{run}/checkpoints/{step}")).json()
+            if answer.get("state") in states:
+                return answer
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"{run}/{step} stuck in {answer.get('state')}: {answer}")
+            await asyncio.sleep(0.05)
+
+
+def s3_region(name: str, endpoint_url: str, bucket: str, prefix: str = "prod") -> dict[str, Any]:
+    return {
+        "name": name,
+        "kind": "s3",
+        "endpoint_url": endpoint_url,
+        "bucket": bucket,
+        "prefix": prefix,
+        "access_key_id": "tierckpt",
+        "secret_access_key": "tierckpt-secret",
+    }
+
+
+def posix_region(name: str, root: Path) -> dict[str, Any]:
+    return {"name": name, "kind": "posix", "root": str(root)}
+
+
+def make_settings(catalog_url: str, ssd: Path, regions: list[dict[str, Any]], **sections: Any) -> Settings:
+    data: dict[str, Any] = {
+        "server": {"node": "node-test"},
+        "catalog": {"url": catalog_url},
+        "local": {"roots": [str(ssd)]},
+        "regions": regions,
+        "worker": {"poll_interval": 0.05, "backoff_base": 0.1, "backoff_max": 1.0, "lease_seconds": 5},
+        "upload": {"part_size_mb": 5},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return Settings.model_validate(data)
+
+
+@asynccontextmanager
+async def running_agent(
+    catalog_url: str,
+    tmp_path: Path,
+    regions: list[dict[str, Any]] | None = None,
+    *,
+    start_worker: bool = True,
+    ssd: Path | None = None,
+    **sections: Any,
+) -> AsyncIterator[Agent]:
+    ssd = ssd or tmp_path / "ssd"
+    ssd.mkdir(parents=True, exist_ok=True)
+    regions = regions or [posix_region("local", tmp_path / "region-local")]
+    settings = make_settings(catalog_url, ssd, regions, **sections)
+    await asyncio.to_thread(upgrade, catalog_url)
+    app = create_app(settings, start_worker=start_worker)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://agent") as http:
+            yield Agent(http=http, resources=app.state.resources, ssd=ssd, settings=settings)
+
+
+def write_checkpoint(directory: Path, files: dict[str, bytes | int]) -> Path:
+    """Create a checkpoint directory; an int value means that many random bytes."""
+    for relative, content in files.items():
+        path = directory / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, int):
+            with open(path, "wb") as handle:
+                remaining = content
+                while remaining:
+                    chunk = os.urandom(min(remaining, 8 << 20))
+                    handle.write(chunk)
+                    remaining -= len(chunk)
+        else:
+            path.write_bytes(content)
+    return directory
