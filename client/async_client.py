@@ -133,7 +133,7 @@ class AsyncCheckpointClient:
         run: str,
         step: int,
         state: str = "durable",
-        timeout: float | None = None,  # noqa: ASYNC109 - the fixed client surface
+        timeout: float | None = None,
         poll_interval: float = 0.2,
     ) -> Checkpoint:
         """Poll until the checkpoint reaches at least ``state``.

@@ -6,6 +6,7 @@ import asyncio
 
 from alembic import context
 from sqlalchemy.engine import Connection
+
 from tierckpt.service.db import create_engine
 from tierckpt.service.models import Base
 

@@ -64,8 +64,8 @@ async def transaction(
         yield session
 
 
-def is_postgres(engine_or_session: AsyncEngine | AsyncSession) -> bool:
-    bind = (
-        engine_or_session.bind if isinstance(engine_or_session, AsyncSession) else engine_or_session
-    )
-    return bind.dialect.name == "postgresql"
+def dialect_name(session: AsyncSession) -> str:
+    bind = session.bind
+    if bind is None:
+        raise RuntimeError("session is not bound to a catalog engine")
+    return bind.dialect.name

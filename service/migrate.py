@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import tierckpt.migrations
 from alembic import command
 from alembic.config import Config
+
+import tierckpt.migrations
 
 MIGRATIONS_DIR = Path(tierckpt.migrations.__file__).parent
 

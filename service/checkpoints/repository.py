@@ -8,10 +8,12 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..db import dialect_name
 from ..models import (
     VALID_STATES,
     Checkpoint,
     File,
+    Job,
     Replica,
     ReplicaState,
     Run,
@@ -20,7 +22,7 @@ from ..models import (
 
 
 async def get_or_create_run(session: AsyncSession, name: str) -> Run:
-    dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
+    dialect = postgresql if dialect_name(session) == "postgresql" else sqlite
     await session.execute(
         dialect.insert(Run).values(name=name).on_conflict_do_nothing(index_elements=["name"])
     )
@@ -158,3 +160,13 @@ async def list_runs(
         .offset(offset)
     )
     return [(run, count, top) for run, count, top in rows], int(total or 0)
+
+
+async def jobs_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[Job, int | None]]:
+    rows = await session.execute(
+        select(Job, Shard.rank)
+        .outerjoin(Shard, Shard.id == Job.shard_id)
+        .where(Job.checkpoint_id == checkpoint_id)
+        .order_by(Job.id)
+    )
+    return [(job, rank) for job, rank in rows]

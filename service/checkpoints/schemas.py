@@ -113,6 +113,15 @@ class ReplicaOut(BaseModel):
         return _iso(value)
 
 
+class JobOut(BaseModel):
+    kind: str
+    state: str
+    region: str | None
+    rank: int | None
+    attempts: int
+    last_error: str | None
+
+
 class RefOut(BaseModel):
     run: str
     step: int
@@ -138,6 +147,9 @@ class CheckpointOut(BaseModel):
     shards: list[ShardOut]
     files: list[FileOut] | None = None
     replicas: list[ReplicaOut]
+    # Background work on this checkpoint (detail view only): what is queued,
+    # running or failed, with attempts and the last error.
+    jobs: list[JobOut] | None = None
 
     @field_serializer("created_at", "durable_at")
     def _ts(self, value: datetime | None) -> str | None:

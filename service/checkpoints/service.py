@@ -33,6 +33,7 @@ from .scan import ScannedShard, scan
 from .schemas import (
     CheckpointOut,
     FileOut,
+    JobOut,
     LatestOut,
     LocalCopyOut,
     LocationOut,
@@ -208,7 +209,20 @@ class CheckpointService:
         return checkpoint
 
     async def get(self, run: str, step: int) -> CheckpointOut:
-        return await self.describe(run, await self._checkpoint(run, step), with_files=True)
+        checkpoint = await self._checkpoint(run, step)
+        out = await self.describe(run, checkpoint, with_files=True)
+        out.jobs = [
+            JobOut(
+                kind=job.kind,
+                state=job.state,
+                region=job.region,
+                rank=rank,
+                attempts=job.attempts,
+                last_error=job.last_error,
+            )
+            for job, rank in await repo.jobs_of(self.session, checkpoint.id)
+        ]
+        return out
 
     async def describe_many(self, run: str, checkpoints: list[Checkpoint]) -> list[CheckpointOut]:
         ids = [c.id for c in checkpoints]

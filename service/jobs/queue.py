@@ -19,6 +19,7 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..db import dialect_name
 from ..models import Job, JobState, utcnow
 
 
@@ -61,7 +62,7 @@ async def enqueue(
         "max_attempts": max_attempts,
         "run_after": utcnow() + timedelta(seconds=delay_seconds),
     }
-    dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
+    dialect = postgresql if dialect_name(session) == "postgresql" else sqlite
     statement = (
         dialect.insert(Job)
         .values(**values)

@@ -147,9 +147,8 @@ class Worker:
             if handler is None:
                 raise PermanentJobError(f"no handler for job kind {job.kind!r}")
             if job.attempts > job.max_attempts:
-                raise PermanentJobError(
-                    f"gave up after {job.max_attempts} attempts: {job.last_error or 'lease expired'}"
-                )
+                reason = job.last_error or "lease expired"
+                raise PermanentJobError(f"gave up after {job.max_attempts} attempts: {reason}")
             await handler.run(job)
         except asyncio.CancelledError:
             await self._settle(job, "release", None, handler)

@@ -8,8 +8,6 @@ import json
 import os
 from pathlib import Path
 
-import httpx
-
 from tests.support.agent import running_agent, write_checkpoint
 from tierckpt.client import AsyncCheckpointClient
 
@@ -22,7 +20,12 @@ async def test_register_uploads_commits_and_restores(catalog_url: str, tmp_path:
     async with running_agent(catalog_url, tmp_path) as agent:
         ckpt = write_checkpoint(
             agent.ssd / "run-a" / "step-10",
-            {"model.bin": 12 << 20, "nested/deeper/opt.bin": 3000, "empty": b"", "naïve-é.txt": b"x"},
+            {
+                "model.bin": 12 << 20,
+                "nested/deeper/opt.bin": 3000,
+                "empty": b"",
+                "naïve-é.txt": b"x",
+            },
         )
         answer = await agent.register("run-a", 10, ckpt, metrics={"loss": 0.5})
         assert answer.status_code == 202, answer.text
@@ -52,9 +55,7 @@ async def test_register_uploads_commits_and_restores(catalog_url: str, tmp_path:
 
         # Restore through the real client over the app (POSIX objects are
         # streamed by the agent with Range support).
-        async with AsyncCheckpointClient(
-            "http://agent", transport=httpx.ASGITransport(app=agent.http._transport.app)  # type: ignore[attr-defined]
-        ) as client:
+        async with AsyncCheckpointClient("http://agent", transport=agent.http._transport) as client:
             dest = await client.restore("run-a", tmp_path / "restored")
         for relative in by_path:
             assert sha256_of(dest / relative) == by_path[relative]["sha256"]
@@ -114,7 +115,9 @@ async def test_latest_is_highest_valid_step_and_skips_partial_and_failed(
         assert (await agent.http.get("/v1/runs/r/latest")).json()["step"] == 7
 
 
-async def test_bad_input_is_a_clear_4xx_and_records_nothing(catalog_url: str, tmp_path: Path) -> None:
+async def test_bad_input_is_a_clear_4xx_and_records_nothing(
+    catalog_url: str, tmp_path: Path
+) -> None:
     outside = tmp_path / "outside"
     write_checkpoint(outside, {"secret": b"s"})
     async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
@@ -130,12 +133,21 @@ async def test_bad_input_is_a_clear_4xx_and_records_nothing(catalog_url: str, tm
             ({"run": "r", "step": 1, "path": "relative/dir"}, 400, "path_not_absolute"),
             ({"run": "bad run!", "step": 1, "path": str(ok_dir)}, 422, "invalid_request"),
             ({"run": "r", "step": -1, "path": str(ok_dir)}, 422, "invalid_request"),
-            ({"run": "r", "step": 1, "path": str(ok_dir), "rank": 2, "world_size": 2}, 422, "invalid_request"),
+            (
+                {"run": "r", "step": 1, "path": str(ok_dir), "rank": 2, "world_size": 2},
+                422,
+                "invalid_request",
+            ),
             ({"run": "r", "step": 1, "path": str(ok_dir), "colour": "red"}, 422, "invalid_request"),
             ({"run": "r", "step": 1, "path": str(escape)}, 400, "symlink_outside_roots"),
             ({"run": "r", "step": 1, "path": str(fifo_dir)}, 400, "special_file"),
             (
-                {"run": "r", "step": 1, "path": str(ok_dir), "files": [{"path": "nope", "sha256": "0" * 64}]},
+                {
+                    "run": "r",
+                    "step": 1,
+                    "path": str(ok_dir),
+                    "files": [{"path": "nope", "sha256": "0" * 64}],
+                },
                 400,
                 "unknown_file",
             ),
@@ -174,11 +186,15 @@ async def test_listing_and_health(catalog_url: str, tmp_path: Path) -> None:
             await agent.wait_state("r", step)
         page = (await agent.http.get("/v1/runs/r/checkpoints", params={"limit": 2})).json()
         assert page["total"] == 3 and [c["step"] for c in page["checkpoints"]] == [3, 2]
-        ranged = (await agent.http.get("/v1/runs/r/checkpoints", params={"min_step": 2, "max_step": 2})).json()
+        ranged = (
+            await agent.http.get("/v1/runs/r/checkpoints", params={"min_step": 2, "max_step": 2})
+        ).json()
         assert [c["step"] for c in ranged["checkpoints"]] == [2]
         runs = (await agent.http.get("/v1/runs")).json()
         assert runs["runs"][0]["run"] == "r" and runs["runs"][0]["checkpoints"] == 3
         assert (await agent.http.get("/healthz")).json() == {"status": "ok"}
         assert (await agent.http.get("/readyz")).status_code == 200
         missing = await agent.http.get("/v1/runs/r/checkpoints/99")
-        assert missing.status_code == 404 and missing.json()["error"]["code"] == "checkpoint_not_found"
+        assert (
+            missing.status_code == 404 and missing.json()["error"]["code"] == "checkpoint_not_found"
+        )

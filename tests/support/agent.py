@@ -36,7 +36,11 @@ class Agent:
         )
 
     async def wait_state(
-        self, run: str, step: int, states: tuple[str, ...] = ("durable", "replicated"), timeout: float = 60
+        self,
+        run: str,
+        step: int,
+        states: tuple[str, ...] = ("durable", "replicated"),
+        timeout: float = 60,
     ) -> dict[str, Any]:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
@@ -64,13 +68,20 @@ def posix_region(name: str, root: Path) -> dict[str, Any]:
     return {"name": name, "kind": "posix", "root": str(root)}
 
 
-def make_settings(catalog_url: str, ssd: Path, regions: list[dict[str, Any]], **sections: Any) -> Settings:
+def make_settings(
+    catalog_url: str, ssd: Path, regions: list[dict[str, Any]], **sections: Any
+) -> Settings:
     data: dict[str, Any] = {
         "server": {"node": "node-test"},
         "catalog": {"url": catalog_url},
         "local": {"roots": [str(ssd)]},
         "regions": regions,
-        "worker": {"poll_interval": 0.05, "backoff_base": 0.1, "backoff_max": 1.0, "lease_seconds": 5},
+        "worker": {
+            "poll_interval": 0.05,
+            "backoff_base": 0.1,
+            "backoff_max": 1.0,
+            "lease_seconds": 5,
+        },
         "upload": {"part_size_mb": 5},
     }
     for section, values in sections.items():
@@ -115,3 +126,20 @@ def write_checkpoint(directory: Path, files: dict[str, bytes | int]) -> Path:
         else:
             path.write_bytes(content)
     return directory
+
+
+class AgentOrNetwork(httpx.AsyncBaseTransport):
+    """Requests to ``http://agent`` go to the in-process app, the rest (the
+    presigned S3 URLs a restore plan hands out) to the real network."""
+
+    def __init__(self, app_transport: httpx.AsyncBaseTransport) -> None:
+        self._app = app_transport
+        self._network = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.host == "agent":
+            return await self._app.handle_async_request(request)
+        return await self._network.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._network.aclose()

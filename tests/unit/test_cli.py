@@ -9,6 +9,7 @@ import types
 
 import httpx
 import pytest
+
 from tierckpt.client import CheckpointClient, TransferOptions, cli
 
 try:

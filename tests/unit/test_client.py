@@ -10,6 +10,7 @@ import sys
 
 import httpx
 import pytest
+
 from tierckpt.client import (
     AsyncCheckpointClient,
     AuthError,

@@ -10,6 +10,7 @@ import os
 from pathlib import Path, PurePosixPath
 
 import pytest
+
 from tierckpt.client import (
     AsyncCheckpointClient,
     CheckpointClient,

@@ -1,0 +1,1 @@
+"""tierckpt test suite: unit, integration (real SQLite/PostgreSQL/SeaweedFS) and e2e."""

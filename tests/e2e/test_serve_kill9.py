@@ -1,0 +1,175 @@
+"""End to end: the real `tierckpt serve` and CLI as processes, SIGKILL mid-upload.
+
+Registered checkpoints must survive a kill -9 of the agent at any moment:
+the job is reclaimed by the restarted agent and redone, and the bytes in the
+store are checked with an independent S3 client and hashlib.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.agent import write_checkpoint
+from tests.support.processes import ServeProcess, cli, free_port, write_config
+from tests.support.seaweed import SeaweedServer
+
+pytestmark = pytest.mark.e2e
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_object(s3_client: Any, bucket: str, key: str) -> str:
+    body = s3_client.get_object(Bucket=bucket, Key=key)["Body"]
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: body.read(1 << 20), b""):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def wait_for(url: str, predicate: Any, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        answer: dict[str, Any] = httpx.get(url, timeout=5).json()
+        if predicate(answer):
+            return answer
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting on {url}: {answer}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def agent_config(
+    tmp_path: Path, catalog_url: str, seaweed: SeaweedServer, s3_bucket: str
+) -> tuple[Path, int, Path]:
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    port = free_port()
+    config = write_config(
+        tmp_path / "tierckpt.toml",
+        {
+            "server": {"host": "127.0.0.1", "port": port, "node": "e2e-node"},
+            "catalog": {"url": catalog_url},
+            "local": {"roots": [str(ssd)]},
+            # One 5 MiB part in flight: the upload takes long enough to be
+            # killed in the middle of it.
+            "upload": {"part_size_mb": 5, "parts_in_flight": 1, "files_in_flight": 1},
+            "worker": {
+                "poll_interval": 0.1,
+                "lease_seconds": 10,
+                "backoff_base": 0.2,
+                "backoff_max": 2.0,
+            },
+        },
+        [
+            {
+                "name": "east",
+                "kind": "s3",
+                "endpoint_url": seaweed.endpoint_url,
+                "bucket": s3_bucket,
+                "prefix": "e2e",
+                "access_key_id": "tierckpt",
+                "secret_access_key": "tierckpt-secret",
+            }
+        ],
+    )
+    return config, port, ssd
+
+
+def test_kill9_mid_upload_loses_nothing(
+    agent_config: tuple[Path, int, Path], tmp_path: Path, s3_client: Any, s3_bucket: str
+) -> None:
+    config, port, ssd = agent_config
+    files: dict[str, bytes | int] = {
+        "model/weights.bin": 110 << 20,
+        "model/nested/deep/optim.bin": 3 << 20,
+        "empty.txt": b"",
+        "données-é.json": b'{"ok": true}',
+    }
+    ckpt = write_checkpoint(ssd / "run" / "step-100", files)
+    agent = ServeProcess(config, port, tmp_path / "serve.log")
+    with agent.start():
+        registered = cli(
+            "--json", "register", "gpt", "100", str(ckpt), "--metric", "loss=0.25", server=agent.url
+        )
+        assert registered.returncode == 0, registered.stderr
+        assert json.loads(registered.stdout)["state"] in ("registered", "uploading")
+
+        detail_url = f"{agent.url}/v1/runs/gpt/checkpoints/100"
+        wait_for(detail_url, lambda a: a["shards"][0]["state"] == "uploading")
+        time.sleep(0.2)
+        agent.kill()
+    # Read the catalog as the kill left it: the shard was mid-upload.
+    with ServeProcess(config, port, tmp_path / "serve.log", worker=False).start() as frozen:
+        before = httpx.get(f"{frozen.url}/v1/runs/gpt/checkpoints/100").json()
+    assert before["shards"][0]["state"] == "uploading", "the kill must land mid-upload"
+
+    with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
+        done = wait_for(
+            f"{again.url}/v1/runs/gpt/checkpoints/100",
+            lambda a: a["state"] in ("durable", "failed"),
+        )
+        assert done["state"] == "durable", done
+        upload_jobs = [j for j in done["jobs"] if j["kind"] == "upload"]
+        assert upload_jobs and upload_jobs[0]["attempts"] >= 2  # redone after the kill
+
+        for entry in done["files"]:
+            local = sha256_file(ckpt / entry["path"])
+            remote = sha256_object(
+                s3_client, s3_bucket, f"e2e/gpt/step-000000000100/rank-00000/{entry['path']}"
+            )
+            assert local == remote == entry["sha256"], entry["path"]
+        manifest = json.loads(
+            s3_client.get_object(Bucket=s3_bucket, Key="e2e/gpt/step-000000000100/MANIFEST.json")[
+                "Body"
+            ].read()
+        )
+        assert {f["path"] for f in manifest["files"]} == set(files)
+
+        latest = cli("--json", "latest", "gpt", server=again.url)
+        assert latest.returncode == 0 and json.loads(latest.stdout)["step"] == 100
+        restored = cli("--json", "restore", "gpt", str(tmp_path / "restored"), server=again.url)
+        assert restored.returncode == 0, restored.stderr
+        for relative in files:
+            assert sha256_file(tmp_path / "restored" / relative) == sha256_file(ckpt / relative)
+
+
+def test_sigterm_releases_work_and_cli_exit_codes(
+    agent_config: tuple[Path, int, Path], tmp_path: Path
+) -> None:
+    config, port, ssd = agent_config
+    ckpt = write_checkpoint(ssd / "run" / "step-1", {"w.bin": 60 << 20})
+    agent = ServeProcess(config, port, tmp_path / "serve.log").start()
+    try:
+        assert cli("register", "job", "1", str(ckpt), server=agent.url).returncode == 0
+        wait_for(f"{agent.url}/v1/runs/job/checkpoints/1", lambda a: a["state"] == "uploading")
+        # Graceful: uvicorn runs the lifespan shutdown (the worker gives its
+        # job back) and then re-raises SIGTERM, so the exit status is -15.
+        assert agent.terminate(timeout=60) in (0, -15)
+        log = (tmp_path / "serve.log").read_text()
+        assert "Application shutdown complete" in log
+    finally:
+        agent.kill()
+
+    with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
+        wait_for(f"{again.url}/v1/runs/job/checkpoints/1", lambda a: a["state"] == "durable")
+        missing = cli("latest", "no-such-run", server=again.url)
+        assert missing.returncode == 1
+        bad = cli("register", "job", "2", str(tmp_path / "not-under-roots"), server=again.url)
+        assert bad.returncode == 2 and "outside the local roots" in bad.stderr
+        usage = cli("register", "job", "minus-one", str(ckpt), server=again.url)
+        assert usage.returncode == 2
+    down = cli("latest", "job", server=f"http://127.0.0.1:{free_port()}")
+    assert down.returncode == 3

@@ -1,0 +1,1 @@
+"""Tests against real SQLite, PostgreSQL and SeaweedFS S3."""

@@ -1,0 +1,117 @@
+"""Run the real `tierckpt` CLI and `tierckpt serve` as subprocesses (e2e tests, demo)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TIERCKPT = str(Path(sys.executable).with_name("tierckpt"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def write_config(
+    path: Path, sections: dict[str, dict[str, Any]], regions: list[dict[str, Any]]
+) -> Path:
+    lines: list[str] = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
+        lines.append("")
+    for region in regions:
+        lines.append("[[regions]]")
+        lines.extend(f"{key} = {toml_value(value)}" for key, value in region.items())
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+class ServeProcess:
+    """`tierckpt serve --config FILE` in the background, its log in a file."""
+
+    def __init__(self, config: Path, port: int, log: Path, *, worker: bool = True) -> None:
+        self.config, self.port, self.log = config, port, log
+        self.worker = worker
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60) -> ServeProcess:
+        env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
+        if not self.worker:
+            env["TIERCKPT_WORKER__ENABLED"] = "false"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [TIERCKPT, "serve", "--config", str(self.config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"tierckpt serve exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                )
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"tierckpt serve not ready after {timeout}s:\n{self.log.read_text()[-3000:]}"
+        )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def __enter__(self) -> ServeProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.kill()
+
+
+def cli(
+    *args: str, server: str | None = None, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    command = [TIERCKPT, *args]
+    if server:
+        command += ["--server", server]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=check)

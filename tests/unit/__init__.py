@@ -1,0 +1,1 @@
+"""Fast tests of pure logic: no servers, no network."""
