@@ -13,9 +13,12 @@ from .config import Settings
 from .db import create_engine, create_sessionmaker
 from .errors import install_error_handlers
 from .health.routes import router as health_router
+from .integrity.jobs import VerifyJobs
+from .integrity.scrub import Scrubber
 from .jobs.worker import Worker
 from .limits import BodySizeLimit
 from .regions.routes import router as regions_router
+from .replication.jobs import ReplicationJobs
 from .resources import Resources
 from .runs.routes import router as runs_router
 from .storage.base import StoreError
@@ -38,15 +41,24 @@ async def open_resources(settings: Settings, *, start_worker: bool = True) -> Re
         settings=settings, engine=engine, sessionmaker=create_sessionmaker(engine), stores=stores
     )
     if start_worker and settings.worker.enabled:
-        handlers = UploadJobs(resources).handlers()
+        handlers = {
+            **UploadJobs(resources).handlers(),
+            **ReplicationJobs(resources).handlers(),
+            **VerifyJobs(resources).handlers(),
+        }
         resources.worker = Worker(
             resources.sessionmaker, handlers, settings.worker, settings.server.node
         )
         resources.worker.start()
+        if settings.scrub.enabled:
+            resources.scrubber = Scrubber(resources, settings.scrub)
+            resources.scrubber.start()
     return resources
 
 
 async def close_resources(resources: Resources) -> None:
+    if resources.scrubber is not None:
+        await resources.scrubber.stop()
     if resources.worker is not None:
         await resources.worker.stop()
     await resources.stores.aclose()

@@ -134,6 +134,15 @@ class WorkerSettings(BaseModel):
     shutdown_timeout: float = Field(10.0, ge=0)
 
 
+class ScrubSettings(BaseModel):
+    enabled: bool = True
+    interval_seconds: float = Field(600.0, gt=0)
+    # Re-read budget: scrubbing must not compete with uploads for the store.
+    bytes_per_hour: int = Field(100 * 1024**3, ge=0)
+    # A replica verified more recently than this is not re-read by the scrubber.
+    min_age_hours: float = Field(24.0, ge=0)
+
+
 class RetentionSettings(BaseModel):
     keep_last: int | None = None
     keep_every_steps: int | None = None
@@ -156,6 +165,7 @@ class Settings(BaseModel):
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     upload: UploadSettings = Field(default_factory=UploadSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    scrub: ScrubSettings = Field(default_factory=ScrubSettings)
 
     @model_validator(mode="after")
     def _safe_combinations(self) -> Settings:

@@ -11,6 +11,7 @@ from .config import Settings
 from .storage.factory import Stores
 
 if TYPE_CHECKING:
+    from .integrity.scrub import Scrubber
     from .jobs.worker import Worker
 
 
@@ -21,6 +22,7 @@ class Resources:
     sessionmaker: async_sessionmaker[AsyncSession]
     stores: Stores
     worker: Worker | None = field(default=None)
+    scrubber: Scrubber | None = field(default=None)
 
     def wake_worker(self) -> None:
         if self.worker is not None:

@@ -83,3 +83,13 @@ async def restore_plan(
 ) -> RestorePlan:
     authorize(principal, Action.READ, run)
     return await service.restore_plan(run, step, region, rank)
+
+
+@router.post("/runs/{run}/checkpoints/{step}/verify", status_code=202, response_model=CheckpointOut)
+async def verify_checkpoint(
+    run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
+) -> CheckpointOut:
+    """Re-read and re-hash every region's copy (asynchronously); the answer
+    lists the queued verify jobs, the detail view shows their outcome."""
+    authorize(principal, Action.WRITE, run)
+    return await service.verify(run, step)

@@ -371,6 +371,34 @@ class CheckpointService:
             return LocalCopyOut(node=node, path=shard.path)
         return None
 
+    async def verify(self, run: str, step: int) -> CheckpointOut:
+        """Queue a re-read and re-hash of every copy of the checkpoint."""
+        from ..integrity.jobs import enqueue_verify
+
+        checkpoint = await self._checkpoint(run, step)
+        if checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED):
+            raise Conflict(
+                f"{run} step {step} is {checkpoint.state}; nothing to verify", code="not_verifiable"
+            )
+        replicas = await repo.replicas_of(self.session, [checkpoint.id])
+        targets = [
+            r.region
+            for r in replicas
+            if r.state in (ReplicaState.COMMITTED, ReplicaState.CORRUPT)
+            and r.region in self.r.stores
+        ]
+        if not targets:
+            raise Conflict(
+                f"{run} step {step} has no committed copy yet; wait until it is durable",
+                code="not_durable",
+            )
+        for region in targets:
+            # Asked for by a person: ahead of the scrubber's background work.
+            await enqueue_verify(self.session, checkpoint.id, region, priority=PRIORITY["urgent"])
+        await self.session.commit()
+        self.r.wake_worker()
+        return await self.get(run, step)
+
     # -- restore plan --------------------------------------------------------
 
     async def restore_plan(

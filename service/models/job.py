@@ -15,6 +15,8 @@ from .base import Base, utcnow
 class JobKind(enum.StrEnum):
     UPLOAD = "upload"  # one shard, local SSD -> primary region; bound to the shard's node
     COMMIT = "commit"  # write a region's MANIFEST.json once every shard is there
+    REPLICATE = "replicate"  # copy a committed checkpoint into another region (or repair one)
+    VERIFY = "verify"  # re-read a region's objects and re-hash them
 
 
 class JobState(enum.StrEnum):

@@ -90,6 +90,11 @@ class ObjectStore(ABC):
         """A URL a client can GET (with Range) without credentials, or None when
         the objects are only reachable through the service."""
 
+    async def copy_within(self, source: ObjectStore, source_key: str, key: str, size: int) -> bool:
+        """Server-side copy from ``source`` when both live on one endpoint;
+        False when this pair cannot (the caller then streams the bytes)."""
+        return False
+
     async def ensure_ready(self) -> None:
         """Create the bucket/root if missing; called once at start-up."""
 

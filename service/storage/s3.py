@@ -33,6 +33,8 @@ class _S3SigV4UnsignedPayload(botocore.auth.S3SigV4Auth):
 
 botocore.auth.AUTH_TYPE_MAPS.setdefault(UNSIGNED_PAYLOAD_SIGNER, _S3SigV4UnsignedPayload)
 
+COPY_OBJECT_LIMIT = 5 * 1024**3
+COPY_PART_SIZE = 1024**3
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound", "NoSuchUpload"}
 
 
@@ -210,6 +212,43 @@ class S3Store(ObjectStore):
                     yield ObjectInfo(key=item["Key"][strip:], size=int(item["Size"]))
         except (ClientError, BotoCoreError, OSError) as exc:
             raise StoreError(f"{self.region}: list {prefix} failed: {exc}") from exc
+
+    def _same_endpoint(self, other: ObjectStore) -> bool:
+        return (
+            isinstance(other, S3Store)
+            and other._settings.endpoint_url == self._settings.endpoint_url
+            and other._credentials == self._credentials
+        )
+
+    async def copy_within(self, source: ObjectStore, source_key: str, key: str, size: int) -> bool:
+        if not self._same_endpoint(source):
+            return False
+        assert isinstance(source, S3Store)
+        copy_source = {"Bucket": source.bucket, "Key": source.full_key(source_key)}
+        if size <= COPY_OBJECT_LIMIT:
+            await self._call("copy_object", Key=self.full_key(key), CopySource=copy_source)
+            return True
+        # CopyObject stops at 5 GiB; larger objects are copied part by part,
+        # still without the bytes leaving the store.
+        upload = await self.create_multipart(key)
+        try:
+            parts = []
+            for number, offset in enumerate(range(0, size, COPY_PART_SIZE), start=1):
+                end = min(offset + COPY_PART_SIZE, size) - 1
+                answer = await self._call(
+                    "upload_part_copy",
+                    Key=self.full_key(key),
+                    UploadId=upload.upload_id,
+                    PartNumber=number,
+                    CopySource=copy_source,
+                    CopySourceRange=f"bytes={offset}-{end}",
+                )
+                parts.append(PartRef(number=number, etag=answer["CopyPartResult"]["ETag"]))
+            await self.complete_multipart(upload, parts)
+        except BaseException:
+            await self.abort_multipart(upload)
+            raise
+        return True
 
     async def presign_get(self, key: str, expires_seconds: int = 3600) -> str | None:
         if self._presigner is None:

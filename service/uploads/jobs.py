@@ -8,6 +8,7 @@ from pathlib import Path
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..checkpoints.state import FINAL, lock_checkpoint, refresh_state
 from ..db import transaction
 from ..jobs import queue
 from ..jobs.worker import JobHandler, PermanentJobError
@@ -17,6 +18,7 @@ from ..models import (
     File,
     Job,
     JobKind,
+    JobState,
     Replica,
     ReplicaState,
     Run,
@@ -24,6 +26,7 @@ from ..models import (
     ShardState,
     utcnow,
 )
+from ..replication.jobs import enqueue_replication
 from ..resources import Resources
 from ..storage import layout
 from ..storage.base import StoreError
@@ -31,26 +34,25 @@ from .manifest import ManifestFile, build_manifest, manifest_digest
 from .pipeline import UploadedFile, UploadLimits, upload_file
 from .source import SourceChanged, SourceFile
 
-TERMINAL = (CheckpointState.FAILED, CheckpointState.DELETED, CheckpointState.CORRUPT)
 
-
-async def lock_checkpoint(session: AsyncSession, checkpoint_id: int) -> Checkpoint:
-    """Serialise every state change of one checkpoint (the last shard to
-    finish must see all the others, whichever agent finishes it)."""
-    checkpoint = await session.scalar(
-        select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()
-    )
+async def locked(session: AsyncSession, checkpoint_id: int) -> Checkpoint:
+    checkpoint = await lock_checkpoint(session, checkpoint_id)
     if checkpoint is None:
         raise PermanentJobError(f"checkpoint {checkpoint_id} no longer exists")
     return checkpoint
 
 
 async def mark_checkpoint_failed(session: AsyncSession, checkpoint_id: int, reason: str) -> None:
-    checkpoint = await lock_checkpoint(session, checkpoint_id)
-    if checkpoint.state in (CheckpointState.DURABLE, CheckpointState.REPLICATED, *TERMINAL):
+    checkpoint = await locked(session, checkpoint_id)
+    if checkpoint.state not in (CheckpointState.REGISTERED, CheckpointState.UPLOADING):
         return
     checkpoint.state = CheckpointState.FAILED
     checkpoint.error = reason
+
+
+def is_repair(job: Job) -> bool:
+    """A re-upload from the T0 copy into a region whose copy went bad."""
+    return bool((job.payload or {}).get("repair"))
 
 
 class UploadJobs:
@@ -77,16 +79,17 @@ class UploadJobs:
         if store is None:
             raise PermanentJobError(f"region {job.region!r} is not configured on this agent")
         async with transaction(self.r.sessionmaker) as session:
-            checkpoint = await lock_checkpoint(session, job.checkpoint_id)
-            if checkpoint.state in TERMINAL:
+            checkpoint = await locked(session, job.checkpoint_id)
+            if checkpoint.state in FINAL:
                 await queue.complete(session, job)
                 return
             run = await session.get_one(Run, checkpoint.run_id)
             shard = await session.get_one(Shard, job.shard_id)
             files = list(await session.scalars(select(File).where(File.shard_id == shard.id)))
-            shard.state = ShardState.UPLOADING
-            if checkpoint.state == CheckpointState.REGISTERED:
-                checkpoint.state = CheckpointState.UPLOADING
+            if not is_repair(job):
+                shard.state = ShardState.UPLOADING
+                if checkpoint.state == CheckpointState.REGISTERED:
+                    checkpoint.state = CheckpointState.UPLOADING
             run_name, step, rank, base = run.name, checkpoint.step, shard.rank, Path(shard.path)
 
         sources = [
@@ -96,7 +99,8 @@ class UploadJobs:
                 key=layout.object_key(run_name, step, rank, f.path),
                 size=f.size,
                 mtime_ns=f.mtime_ns,
-                expected_sha256=f.expected_sha256,
+                # A repair must reproduce the hash the catalog already holds.
+                expected_sha256=f.expected_sha256 or f.sha256,
             )
             for f in files
         ]
@@ -108,8 +112,11 @@ class UploadJobs:
 
         by_path = {u.relative: u for u in uploaded}
         async with transaction(self.r.sessionmaker) as session:
-            checkpoint = await lock_checkpoint(session, job.checkpoint_id)
+            checkpoint = await locked(session, job.checkpoint_id)
             await queue.complete(session, job)
+            if is_repair(job):
+                await self._commit_repair_when_complete(session, checkpoint, job.region)
+                return
             for f in files:
                 await session.execute(
                     update(File).where(File.id == f.id).values(sha256=by_path[f.path].sha256)
@@ -144,7 +151,36 @@ class UploadJobs:
                 max_attempts=self.r.settings.worker.max_attempts,
             )
 
+    async def _commit_repair_when_complete(
+        self, session: AsyncSession, checkpoint: Checkpoint, region: str
+    ) -> None:
+        others = await session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(
+                Job.checkpoint_id == checkpoint.id,
+                Job.kind == JobKind.UPLOAD,
+                Job.region == region,
+                Job.state.in_((JobState.QUEUED, JobState.RUNNING)),
+            )
+        )
+        if not others:
+            await queue.enqueue(
+                session,
+                JobKind.COMMIT,
+                checkpoint.id,
+                region=region,
+                max_attempts=self.r.settings.worker.max_attempts,
+            )
+
     async def upload_failed(self, session: AsyncSession, job: Job, error: str) -> None:
+        if is_repair(job):
+            await session.execute(
+                update(Replica)
+                .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
+                .values(error=f"repair from the local copy failed: {error}"[:4000])
+            )
+            return
         if job.shard_id is not None:
             await session.execute(
                 update(Shard)
@@ -161,8 +197,8 @@ class UploadJobs:
         if store is None:
             raise PermanentJobError(f"region {job.region!r} is not configured on this agent")
         async with transaction(self.r.sessionmaker) as session:
-            checkpoint = await lock_checkpoint(session, job.checkpoint_id)
-            if checkpoint.state in TERMINAL:
+            checkpoint = await locked(session, job.checkpoint_id)
+            if checkpoint.state in FINAL:
                 await queue.complete(session, job)
                 return
             run = await session.get_one(Run, checkpoint.run_id)
@@ -202,7 +238,7 @@ class UploadJobs:
             raise  # retried with backoff by the worker
 
         async with transaction(self.r.sessionmaker) as session:
-            checkpoint = await lock_checkpoint(session, job.checkpoint_id)
+            checkpoint = await locked(session, job.checkpoint_id)
             await queue.complete(session, job)
             now = utcnow()
             await session.execute(
@@ -221,6 +257,7 @@ class UploadJobs:
                 self.r.settings.durability.min_regions,
                 len(self.r.settings.regions),
             )
+            await enqueue_replication(session, checkpoint, self.r)
 
     async def commit_failed(self, session: AsyncSession, job: Job, error: str) -> None:
         await session.execute(
@@ -235,28 +272,3 @@ def job_priority(checkpoint: Checkpoint) -> int:
     from ..models import PRIORITY
 
     return PRIORITY.get(checkpoint.priority, 0)
-
-
-async def refresh_state(
-    session: AsyncSession, checkpoint: Checkpoint, min_regions: int, region_count: int
-) -> None:
-    """Derive durable/replicated from the committed replicas (validity rule)."""
-    if checkpoint.state in TERMINAL:
-        return
-    committed = (
-        await session.scalar(
-            select(func.count())
-            .select_from(Replica)
-            .where(Replica.checkpoint_id == checkpoint.id, Replica.state == ReplicaState.COMMITTED)
-        )
-        or 0
-    )
-    if committed >= min_regions:
-        if checkpoint.durable_at is None:
-            checkpoint.durable_at = utcnow()
-        checkpoint.state = (
-            CheckpointState.REPLICATED
-            if region_count > 1 and committed >= region_count
-            else CheckpointState.DURABLE
-        )
-        checkpoint.error = None

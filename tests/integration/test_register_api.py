@@ -3,6 +3,7 @@ on SQLite and PostgreSQL, with a POSIX region (S3 has its own module)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -91,16 +92,11 @@ async def test_latest_is_highest_valid_step_and_skips_partial_and_failed(
         half = write_checkpoint(agent.ssd / "r" / "s7-rank0", {"w": 100})
         assert (await agent.register("r", 7, half, rank=0, world_size=2)).status_code == 202
 
-        # Step 9: its file is rewritten before the upload could start.
-        doomed = write_checkpoint(agent.ssd / "r" / "s9", {"w": 100})
-        os.utime(doomed / "w", ns=(1, 1))
-        answer = await agent.register("r", 9, doomed, priority="normal")
-        assert answer.status_code == 202
-        os.utime(doomed / "w", ns=(2, 2))
-        failed = await agent.wait_state("r", 9, states=("failed",))
-        assert "changed after registration" in failed["error"]
-
-        shard7 = (await agent.http.get("/v1/runs/r/checkpoints/7")).json()
+        for _ in range(400):
+            shard7 = (await agent.http.get("/v1/runs/r/checkpoints/7")).json()
+            if shard7["shards"][0]["state"] == "uploaded":
+                break
+            await asyncio.sleep(0.05)
         assert shard7["shards"][0]["state"] == "uploaded"
         assert shard7["state"] in ("registered", "uploading")
 
@@ -113,6 +109,25 @@ async def test_latest_is_highest_valid_step_and_skips_partial_and_failed(
         done = await agent.wait_state("r", 7)
         assert sorted(s["rank"] for s in done["shards"]) == [0, 1]
         assert (await agent.http.get("/v1/runs/r/latest")).json()["step"] == 7
+
+
+async def test_file_changed_after_registration_fails_the_checkpoint(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    # Registered while no worker runs; the file changes before any upload.
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        good = write_checkpoint(agent.ssd / "r" / "s5", {"w": 100})
+        doomed = write_checkpoint(agent.ssd / "r" / "s9", {"w": 100})
+        assert (await agent.register("r", 5, good)).status_code == 202
+        assert (await agent.register("r", 9, doomed)).status_code == 202
+    (doomed / "w").write_bytes(os.urandom(100))
+    os.utime(doomed / "w", ns=(7, 7))
+    async with running_agent(catalog_url, tmp_path) as agent:
+        await agent.wait_state("r", 5)
+        failed = await agent.wait_state("r", 9, states=("failed",))
+        assert "changed after registration" in failed["error"]
+        assert failed["shards"][0]["state"] == "failed"
+        assert (await agent.http.get("/v1/runs/r/latest")).json()["step"] == 5
 
 
 async def test_bad_input_is_a_clear_4xx_and_records_nothing(

@@ -1,0 +1,66 @@
+"""The validity rule (DESIGN.md "Validity"), as one function over the catalog.
+
+A checkpoint is valid when every shard of its world_size is uploaded and
+hashed and at least ``min_regions`` regions hold a committed manifest and no
+replica it relies on is corrupt. ``refresh_state`` derives the checkpoint's
+state from its replicas; call it (with the checkpoint row locked) in every
+transaction that changes a replica.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..models import Checkpoint, CheckpointState, Replica, ReplicaState, utcnow
+
+# States nothing brings back: failed (never became valid) and deleted.
+FINAL = (CheckpointState.FAILED, CheckpointState.DELETED)
+
+
+async def lock_checkpoint(session: AsyncSession, checkpoint_id: int) -> Checkpoint | None:
+    """Serialise every state change of one checkpoint across agents."""
+    return await session.scalar(
+        select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()
+    )
+
+
+async def committed_regions(session: AsyncSession, checkpoint_id: int) -> list[str]:
+    rows = await session.scalars(
+        select(Replica.region).where(
+            Replica.checkpoint_id == checkpoint_id, Replica.state == ReplicaState.COMMITTED
+        )
+    )
+    return list(rows)
+
+
+async def refresh_state(
+    session: AsyncSession, checkpoint: Checkpoint, min_regions: int, region_count: int
+) -> None:
+    if checkpoint.state in FINAL:
+        return
+    committed = (
+        await session.scalar(
+            select(func.count())
+            .select_from(Replica)
+            .where(Replica.checkpoint_id == checkpoint.id, Replica.state == ReplicaState.COMMITTED)
+        )
+        or 0
+    )
+    if committed >= min_regions:
+        if checkpoint.durable_at is None:
+            checkpoint.durable_at = utcnow()
+        checkpoint.state = (
+            CheckpointState.REPLICATED
+            if region_count > 1 and committed >= region_count
+            else CheckpointState.DURABLE
+        )
+        if checkpoint.error and checkpoint.error.startswith("no intact copy"):
+            checkpoint.error = None
+    elif checkpoint.durable_at is not None:
+        # It was valid once; too few good copies are left now.
+        checkpoint.state = CheckpointState.CORRUPT
+        checkpoint.error = (
+            f"no intact copy in enough regions ({committed} of {min_regions} needed); "
+            "repair scheduled where a good source exists"
+        )

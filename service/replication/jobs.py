@@ -1,0 +1,287 @@
+"""Replicate jobs: copy a committed checkpoint into another region, manifest last.
+
+The same job repairs a corrupt replica: the target's objects are rewritten
+from a good region. Objects are copied server-side when both regions are on
+one S3 endpoint; otherwise they are streamed with bounded memory, and the
+streamed bytes are hashed and checked against the catalog on the way, so a
+bad source is caught before it is copied. Replication never gives up: an
+outage of the target region only delays it (backoff), it never drops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..checkpoints.state import lock_checkpoint, refresh_state
+from ..db import transaction
+from ..jobs import queue
+from ..jobs.worker import JobHandler, PermanentJobError
+from ..models import (
+    PRIORITY,
+    Checkpoint,
+    CheckpointState,
+    File,
+    Job,
+    JobKind,
+    Replica,
+    ReplicaState,
+    Run,
+    Shard,
+    utcnow,
+)
+from ..resources import Resources
+from ..storage import layout
+from ..storage.base import ObjectStore, PartRef, StoreError
+from ..uploads.manifest import ManifestFile, build_manifest, manifest_digest
+
+# Effectively forever: with backoff capped at worker.backoff_max, a region can
+# be down for weeks and its replicas still arrive once it is back.
+REPLICATE_MAX_ATTEMPTS = 1_000_000
+
+
+class SourceCorrupt(Exception):
+    """The bytes read from the source region do not hash to the catalog's SHA-256."""
+
+
+@dataclass(frozen=True)
+class ObjectToCopy:
+    key: str
+    size: int
+    sha256: str
+
+
+async def enqueue_replication(
+    session: AsyncSession, checkpoint: Checkpoint, resources: Resources
+) -> int:
+    """Queue a copy into every configured region that does not hold the
+    checkpoint yet (pending) or holds a bad copy (corrupt)."""
+    if checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED):
+        return 0
+    replicas = await session.scalars(
+        select(Replica).where(
+            Replica.checkpoint_id == checkpoint.id,
+            Replica.state.in_((ReplicaState.PENDING, ReplicaState.CORRUPT)),
+        )
+    )
+    added = 0
+    for replica in replicas:
+        if replica.region not in resources.stores:
+            continue
+        added += await queue.enqueue(
+            session,
+            JobKind.REPLICATE,
+            checkpoint.id,
+            region=replica.region,
+            priority=PRIORITY.get(checkpoint.priority, 0),
+            max_attempts=REPLICATE_MAX_ATTEMPTS,
+        )
+    return added
+
+
+async def stream_copy(
+    source: ObjectStore,
+    target: ObjectStore,
+    obj: ObjectToCopy,
+    part_size: int,
+    parts: asyncio.Semaphore,
+) -> None:
+    """Read ``obj`` from source part by part, hash it in order, write it to
+    target; the held parts are bounded by ``parts``."""
+    hasher = hashlib.sha256()
+    if obj.size <= part_size:
+        async with parts:
+            data = await source.get_range(obj.key, 0, obj.size)
+            await asyncio.to_thread(hasher.update, data)
+            _check(obj, hasher, len(data))
+            await target.put_bytes(obj.key, data)
+        return
+    upload = await target.create_multipart(obj.key)
+    sends: list[asyncio.Task[PartRef]] = []
+
+    async def send(number: int, offset: int, data: bytes) -> PartRef:
+        try:
+            return await target.upload_part(upload, number, offset, data)
+        finally:
+            parts.release()
+
+    try:
+        seen = 0
+        for number, offset in enumerate(range(0, obj.size, part_size), start=1):
+            await parts.acquire()
+            try:
+                data = await source.get_range(obj.key, offset, min(part_size, obj.size - offset))
+                await asyncio.to_thread(hasher.update, data)
+            except BaseException:
+                parts.release()
+                raise
+            seen += len(data)
+            sends.append(asyncio.create_task(send(number, offset, data)))
+            del data
+        _check(obj, hasher, seen)
+        await target.complete_multipart(upload, list(await asyncio.gather(*sends)))
+    except BaseException:
+        for task in sends:
+            task.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+        await target.abort_multipart(upload)
+        raise
+
+
+def _check(obj: ObjectToCopy, hasher: hashlib._Hash, size: int) -> None:
+    if size != obj.size or hasher.hexdigest() != obj.sha256:
+        raise SourceCorrupt(
+            f"{obj.key}: source bytes do not match the catalog (size {size}/{obj.size}, "
+            f"sha256 {hasher.hexdigest()[:12]}…/{obj.sha256[:12]}…)"
+        )
+
+
+class ReplicationJobs:
+    def __init__(self, resources: Resources) -> None:
+        self.r = resources
+        upload = resources.settings.upload
+        self.part_size = upload.part_size_mb * 1024 * 1024
+        self.parts = asyncio.Semaphore(upload.parts_in_flight)
+        self.files = asyncio.Semaphore(upload.files_in_flight)
+
+    def handlers(self) -> dict[str, JobHandler]:
+        return {JobKind.REPLICATE: JobHandler(run=self.replicate, on_failure=self.failed)}
+
+    async def _plan(self, job: Job) -> tuple[list[str], list[ObjectToCopy], bytes, str] | None:
+        async with transaction(self.r.sessionmaker) as session:
+            checkpoint = await lock_checkpoint(session, job.checkpoint_id)
+            if checkpoint is None or checkpoint.state in (
+                CheckpointState.FAILED,
+                CheckpointState.DELETED,
+            ):
+                await queue.complete(session, job)
+                return None
+            target = await session.scalar(
+                select(Replica).where(
+                    Replica.checkpoint_id == checkpoint.id, Replica.region == job.region
+                )
+            )
+            if target is None or target.state == ReplicaState.COMMITTED:
+                await queue.complete(session, job)  # already there (or not ours to copy)
+                return None
+            sources = [
+                r.region
+                for r in await session.scalars(
+                    select(Replica).where(
+                        Replica.checkpoint_id == checkpoint.id,
+                        Replica.state == ReplicaState.COMMITTED,
+                    )
+                )
+                if r.region in self.r.stores
+            ]
+            run = await session.get_one(Run, checkpoint.run_id)
+            rows = (
+                await session.execute(
+                    select(Shard.rank, File.path, File.size, File.sha256)
+                    .join(File, File.shard_id == Shard.id)
+                    .where(Shard.checkpoint_id == checkpoint.id)
+                )
+            ).all()
+            manifest = build_manifest(
+                run=run.name,
+                step=checkpoint.step,
+                world_size=checkpoint.world_size,
+                epoch=checkpoint.epoch,
+                parent={"run": checkpoint.parent_run, "step": checkpoint.parent_step}
+                if checkpoint.parent_run is not None
+                else None,
+                metrics=checkpoint.metrics,
+                metadata=checkpoint.meta,
+                created_at=checkpoint.created_at,
+                files=[ManifestFile(r.rank, r.path, r.size, r.sha256 or "") for r in rows],
+            )
+            objects = [
+                ObjectToCopy(
+                    layout.object_key(run.name, checkpoint.step, r.rank, r.path),
+                    r.size,
+                    r.sha256 or "",
+                )
+                for r in rows
+            ]
+            manifest_key = layout.manifest_key(run.name, checkpoint.step)
+        if not sources:
+            # Nothing intact to copy from yet (primary still uploading, or every
+            # copy corrupt): wait with backoff rather than fail.
+            raise StoreError(f"no committed region to replicate {job.region} from yet")
+        primary = self.r.settings.primary_region.name
+        sources.sort(key=lambda name: name != primary)
+        return sources, objects, manifest, manifest_key
+
+    async def replicate(self, job: Job) -> None:
+        assert job.region is not None
+        target = self.r.stores.get(job.region)
+        if target is None:
+            raise PermanentJobError(f"region {job.region!r} is not configured on this agent")
+        plan = await self._plan(job)
+        if plan is None:
+            return
+        sources, objects, manifest, manifest_key = plan
+        errors = []
+        for name in sources:
+            try:
+                verified = await self._copy_all(self.r.stores[name], target, objects)
+            except SourceCorrupt as exc:
+                # The source is bad: try another; the scrubber marks it.
+                errors.append(f"{name}: {exc}")
+                continue
+            await target.put_bytes(manifest_key, manifest)
+            async with transaction(self.r.sessionmaker) as session:
+                checkpoint = await lock_checkpoint(session, job.checkpoint_id)
+                assert checkpoint is not None
+                await queue.complete(session, job)
+                now = utcnow()
+                await session.execute(
+                    update(Replica)
+                    .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
+                    .values(
+                        state=ReplicaState.COMMITTED,
+                        manifest_sha256=manifest_digest(manifest),
+                        committed_at=now,
+                        verified_at=now if verified else None,
+                        error=None,
+                    )
+                )
+                settings = self.r.settings
+                await refresh_state(
+                    session, checkpoint, settings.durability.min_regions, len(settings.regions)
+                )
+            return
+        raise StoreError("every source region failed: " + "; ".join(errors))
+
+    async def _copy_all(
+        self, source: ObjectStore, target: ObjectStore, objects: list[ObjectToCopy]
+    ) -> bool:
+        """Copy every object; True when every byte was hashed on the way."""
+        hashed = True
+
+        async def one(obj: ObjectToCopy) -> None:
+            nonlocal hashed
+            async with self.files:
+                if await target.copy_within(source, obj.key, obj.key, obj.size):
+                    info = await target.head(obj.key)
+                    if info is None or info.size != obj.size:
+                        raise StoreError(
+                            f"{obj.key}: server-side copy left size {info and info.size}"
+                        )
+                    hashed = False
+                else:
+                    await stream_copy(source, target, obj, self.part_size, self.parts)
+
+        await asyncio.gather(*(one(o) for o in objects))
+        return hashed
+
+    async def failed(self, session: AsyncSession, job: Job, error: str) -> None:
+        await session.execute(
+            update(Replica)
+            .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
+            .values(error=f"replication failed: {error}"[:4000])
+        )
