@@ -171,8 +171,14 @@ class S3Store(ObjectStore):
         answer = await self._call(
             "get_object", Key=self.full_key(key), Range=f"bytes={start}-{start + length - 1}"
         )
-        async with answer["Body"] as body:
-            return await body.read()
+        body = answer["Body"]
+        try:
+            data: bytes = await body.read()
+        except (BotoCoreError, OSError) as exc:
+            raise StoreError(f"{self.region}: reading {key} failed: {exc}") from exc
+        finally:
+            body.close()
+        return data
 
     async def iter_range(
         self, key: str, start: int = 0, length: int | None = None, chunk_size: int = 1 << 20
@@ -185,12 +191,14 @@ class S3Store(ObjectStore):
         elif start:
             kwargs["Range"] = f"bytes={start}-"
         answer = await self._call("get_object", **kwargs)
-        async with answer["Body"] as body:
-            try:
-                async for chunk in body.iter_chunks(chunk_size):
-                    yield chunk
-            except (BotoCoreError, OSError) as exc:
-                raise StoreError(f"{self.region}: reading {key} failed: {exc}") from exc
+        body = answer["Body"]
+        try:
+            async for chunk in body.iter_chunks(chunk_size):
+                yield chunk
+        except (BotoCoreError, OSError) as exc:
+            raise StoreError(f"{self.region}: reading {key} failed: {exc}") from exc
+        finally:
+            body.close()
 
     async def head(self, key: str) -> ObjectInfo | None:
         try:
