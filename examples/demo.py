@@ -1,7 +1,7 @@
 """`make demo`: a trainer crashes, tierckpt brings it back from the latest valid step.
 
 Everything runs for real on this machine, in a temporary work directory:
-a SeaweedFS S3 server (the region), the tierckpt agent (`tierckpt serve`,
+two SeaweedFS S3 servers (regions east and west), the tierckpt agent (`tierckpt serve`,
 SQLite catalog), and examples/train_loop.py as the trainer. The demo
 
 1. starts SeaweedFS and the agent, and waits until the agent is ready;
@@ -75,7 +75,7 @@ def tierckpt_command() -> list[str]:
     return [sys.executable, "-m", "tierckpt.client.cli"]
 
 
-def write_config(work: Path, port: int, seaweed: SeaweedServer) -> Path:
+def write_config(work: Path, port: int, seaweed: SeaweedServer, west: SeaweedServer) -> Path:
     config = work / "config.toml"
     config.write_text(
         f"""\
@@ -93,9 +93,20 @@ roots = ["{work / "ssd"}"]
 keep_last = 2
 
 [[regions]]
-name = "local-seaweed"
+name = "east"
 kind = "s3"
 endpoint_url = "{seaweed.endpoint_url}"
+bucket = "{BUCKET}"
+prefix = "demo"
+access_key_id = "demo"
+secret_access_key = "demo-secret"
+
+# A second, independent SeaweedFS server: another region. Checkpoints are
+# durable once in "east"; replicate jobs then copy them here.
+[[regions]]
+name = "west"
+kind = "s3"
+endpoint_url = "{west.endpoint_url}"
 bucket = "{BUCKET}"
 prefix = "demo"
 access_key_id = "demo"
@@ -305,13 +316,21 @@ class Demo:
         seaweed = SeaweedServer(work / "seaweed")
         self.logs.append(("seaweed", seaweed.log_path))
         stack.callback(seaweed.stop)
+        west = SeaweedServer(work / "seaweed-west")
+        self.logs.append(("seaweed-west", west.log_path))
+        stack.callback(west.stop)
         seaweed.start()
         seaweed.create_bucket(BUCKET)
-        say(f"SeaweedFS S3 up at {seaweed.endpoint_url} in {seaweed.start_seconds:.1f} s")
+        say(
+            f"region east: SeaweedFS S3 up at {seaweed.endpoint_url} in {seaweed.start_seconds:.1f} s"
+        )
+        west.start()
+        west.create_bucket(BUCKET)
+        say(f"region west: SeaweedFS S3 up at {west.endpoint_url} in {west.start_seconds:.1f} s")
 
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        config = write_config(work, port, seaweed)
+        config = write_config(work, port, seaweed, west)
         (work / "ssd").mkdir()
         agent = Process(
             "agent", [*tierckpt_command(), "serve", "--config", str(config)], work / "agent.log"
@@ -341,6 +360,12 @@ class Demo:
             raise DemoError(f"trainer resumed from step {resumed}, expected {newest}")
         last = (args.steps // args.every) * args.every
         client.wait(RUN, last, state="durable", timeout=120)
+        waited = time.monotonic()
+        for checkpoint in client.list_checkpoints(RUN):
+            client.wait(RUN, checkpoint.step, state="replicated", timeout=120)
+        say(f"every checkpoint replicated to west {time.monotonic() - waited:.1f} s later")
+        in_west = client.latest(RUN, region="west")
+        say(f"latest valid in region west (a restart there): step {in_west and in_west.step}")
         states = print_states(client, "checkpoints at the end:")
         reference = reference_hash(work, args)
         identical = reference == done["sha256"]
