@@ -45,3 +45,43 @@ def serve(config_path: str | None = None) -> None:
         access_log=False,
         timeout_graceful_shutdown=int(settings.worker.shutdown_timeout) + 5,
     )
+
+
+def rebuild_catalog(config_path: str | None, *, as_json: bool = False) -> int:
+    """`tierckpt rebuild-catalog`: recreate a lost catalog from the regions'
+    manifests (see tierckpt.service.rebuild). Exit code: 0 done (corrupt or
+    missing replicas are reported, not failures), 2 bad configuration, 3 the
+    catalog or every region unreachable, so nothing could be rebuilt."""
+    import asyncio
+    import json
+
+    from .rebuild import CatalogUnreachable, rebuild, render_report
+
+    try:
+        settings = load_settings(config_path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    progress = logging.getLogger("tierckpt.rebuild")
+    if not progress.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        progress.addHandler(handler)
+        progress.propagate = False
+    # Machines get warnings only on stderr; people also see the progress.
+    progress.setLevel(logging.WARNING if as_json else logging.INFO)
+    try:
+        report = asyncio.run(rebuild(settings))
+    except CatalogUnreachable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        from rich.console import Console
+
+        Console(highlight=False).print(render_report(report))
+    if report.nothing_reachable:
+        print("error: no region could be reached; nothing was rebuilt", file=sys.stderr)
+        return 3
+    return 0

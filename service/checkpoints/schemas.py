@@ -107,6 +107,9 @@ class ReplicaOut(BaseModel):
     verified_at: datetime | None
     committed_at: datetime | None
     error: str | None
+    # Replication lag behind the first durable copy: how long it took, or
+    # (still pending) how long it has been waiting.
+    lag_seconds: float | None = None
 
     @field_serializer("verified_at", "committed_at")
     def _ts(self, value: datetime | None) -> str | None:

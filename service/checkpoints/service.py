@@ -25,6 +25,7 @@ from ..models import (
     Replica,
     ReplicaState,
     Shard,
+    utcnow,
 )
 from ..resources import Resources
 from ..storage import layout
@@ -45,6 +46,16 @@ from .schemas import (
     RestorePlan,
     ShardOut,
 )
+
+
+def replication_lag(checkpoint: Checkpoint, replica: Replica) -> float | None:
+    if checkpoint.durable_at is None:
+        return None
+    if replica.state == ReplicaState.COMMITTED and replica.committed_at is not None:
+        return max(0.0, (replica.committed_at - checkpoint.durable_at).total_seconds())
+    if replica.state == ReplicaState.PENDING:
+        return (utcnow() - checkpoint.durable_at).total_seconds()
+    return None
 
 
 def fingerprint(shard: ScannedShard, hashes: dict[str, str]) -> str:
@@ -293,6 +304,7 @@ class CheckpointService:
                     verified_at=r.verified_at,
                     committed_at=r.committed_at,
                     error=r.error,
+                    lag_seconds=replication_lag(c, r),
                 )
                 for r in sorted(replicas, key=lambda r: order.get(r.region, len(order)))
             ],

@@ -161,6 +161,8 @@ async def test_region_outage_delays_replication_and_loses_nothing(
             detail = (await agent.http.get("/v1/runs/o/checkpoints/1")).json()
             job = next(j for j in detail["jobs"] if j["kind"] == "replicate")
             assert job["state"] in ("queued", "running") and job["attempts"] >= 1
+            west = next(r for r in detail["replicas"] if r["region"] == "west")
+            assert west["state"] == "pending" and west["lag_seconds"] >= 1.0  # lag shown
             assert (await agent.http.get("/v1/runs/o/latest")).json()["step"] == 1
             assert (
                 await agent.http.get("/v1/runs/o/latest", params={"region": "west"})
