@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--limit", type=_positive, default=20, help="checkpoints listed (default 20)")
 
     command("runs", _runs, "list runs")
+
+    sub = command(
+        "rebuild-catalog",
+        _rebuild_catalog,
+        "recreate a lost catalog from the regions' manifests, re-verifying every object",
+    )
+    sub.add_argument("--config", metavar="FILE", required=True, help="TOML configuration file")
     return parser
 
 
@@ -211,6 +218,14 @@ def _migrate(args: argparse.Namespace) -> int:
         return _fail(f"the tierckpt service is not available: {exc}", SERVER_ERROR)
     migrate(args.config)
     return OK
+
+
+def _rebuild_catalog(args: argparse.Namespace) -> int:
+    try:
+        from tierckpt.service.main import rebuild_catalog
+    except ImportError as exc:
+        return _fail(f"the tierckpt service is not available: {exc}", SERVER_ERROR)
+    return rebuild_catalog(args.config, as_json=args.json)
 
 
 def _register(args: argparse.Namespace) -> int:

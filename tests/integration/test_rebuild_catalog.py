@@ -17,6 +17,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ from tests.support.processes import cli, free_port, write_config
 from tests.support.seaweed import SeaweedServer
 from tierckpt.service.db import create_engine
 from tierckpt.service.rebuild import rebuild, render_report
+from tierckpt.service.rebuild.rebuild import InvalidManifest, read_manifest
+from tierckpt.service.uploads.manifest import ManifestFile, build_manifest
 
 RUN = "llm"
 PREFIX = "prod"
@@ -298,3 +301,48 @@ async def test_rebuild_catalog_exit_codes(tmp_path: Path) -> None:
     assert json.loads(down_run.stdout)["regions_unreachable"][0]["region"] == "broken"
     assert nodb_run.returncode == 3 and "catalog" in nodb_run.stderr
     assert "Traceback" not in bad_run.stderr + down_run.stderr + nodb_run.stderr
+
+
+def _manifest(**changes: Any) -> bytes:
+    document = json.loads(
+        build_manifest(
+            run=RUN,
+            step=7,
+            world_size=2,
+            epoch=None,
+            parent={"run": RUN, "step": 6},
+            metrics={"loss": 1.0},
+            metadata={},
+            created_at=datetime(2024, 5, 1, 12, 0, 0, 123456),
+            files=[ManifestFile(0, "a/b.bin", 3, "a" * 64), ManifestFile(1, "c", 0, "b" * 64)],
+        )
+    )
+    document.update(changes)
+    return json.dumps(document).encode()
+
+
+def test_manifest_checks() -> None:
+    """What the rebuild accepts from a MANIFEST.json, and what it reports as invalid."""
+    good = read_manifest("east", _manifest(), RUN, 7)
+    assert good.world_size == 2 and good.parent == (RUN, 6)
+    assert good.created_at == datetime(2024, 5, 1, 12, 0, 0, 123456)
+    assert [(e.rank, e.path) for e in good.files] == [(0, "a/b.bin"), (1, "c")]
+    file = {"rank": 0, "path": "x", "size": 1, "sha256": "c" * 64}
+    for data, why in [
+        (b"{nope", "not a tierckpt manifest"),
+        (b"[]", "not a tierckpt manifest"),
+        (_manifest(format="other/1"), "not a tierckpt manifest"),
+        (_manifest(step=8), "stored under"),
+        (_manifest(world_size=0), "world_size"),
+        (_manifest(files=[{**file, "rank": 2}]), "not below world_size"),
+        (_manifest(files=[{**file, "path": "../escape"}]), "safe relative path"),
+        (_manifest(files=[{**file, "path": "/abs"}]), "safe relative path"),
+        (_manifest(files=[{**file, "sha256": "C" * 64}]), "sha256"),
+        (_manifest(files=[{**file, "size": -1}]), "size"),
+        (_manifest(files=[file, file]), "listed twice"),
+        (_manifest(metrics={"loss": "low"}), "finite number"),
+        (_manifest(created_at="yesterday"), "created_at"),
+        (_manifest(parent={"run": "a/b", "step": 1}), "parent"),
+    ]:
+        with pytest.raises(InvalidManifest, match=why):
+            read_manifest("east", data, RUN, 7)
