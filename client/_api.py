@@ -122,6 +122,10 @@ def get(run: str, step: int) -> Call[Checkpoint]:
     return Call("GET", f"/v1/runs/{_seg(run)}/checkpoints/{_seg(step)}", _checkpoint)
 
 
+def verify(run: str, step: int) -> Call[Checkpoint]:
+    return Call("POST", f"/v1/runs/{_seg(run)}/checkpoints/{_seg(step)}/verify", _checkpoint)
+
+
 def list_checkpoints(
     run: str,
     *,

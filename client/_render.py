@@ -184,3 +184,20 @@ def transfer_meter(label: str, show: bool) -> Iterator[TransferMeter]:
     )
     with Progress(*columns, console=console()) as progress:
         yield TransferMeter(progress, label)
+
+
+def verify_table(checkpoint: Checkpoint) -> Table:
+    """One row per region: what the last re-read of its copy found."""
+    table = Table(title=f"{checkpoint.run}:{checkpoint.step} — {checkpoint.state}")
+    table.add_column("region")
+    table.add_column("state")
+    table.add_column("verified")
+    table.add_column("finding", overflow="fold")
+    for replica in checkpoint.replicas:
+        table.add_row(
+            replica.region,
+            state(replica.state),
+            when(replica.verified_at),
+            replica.error or ("intact" if replica.state == "committed" else "-"),
+        )
+    return table

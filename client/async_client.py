@@ -152,6 +152,22 @@ class AsyncCheckpointClient:
                 raise _api.wait_timeout_error(run, step, state, checkpoint, timeout)
             await asyncio.sleep(delay)
 
+    async def verify(
+        self, run: str, step: int, timeout: float | None = None, poll_interval: float = 0.2
+    ) -> Checkpoint:
+        """Re-read and re-hash every region's copy; returns once the
+        verification jobs have finished, with the per-region outcome."""
+        await self._send(_api.verify(run, step))
+        deadline = _api.wait_deadline(timeout)
+        while True:
+            checkpoint = await self.get(run, step)
+            if not checkpoint.verifying:
+                return checkpoint
+            delay = _api.next_poll_delay(deadline, poll_interval)
+            if delay is None:
+                raise TimeoutError(f"verification of {run}:{step} still running after {timeout} s")
+            await asyncio.sleep(delay)
+
     async def restore_plan(
         self, run: str, step: int | None = None, region: str | None = None, rank: int | None = None
     ) -> RestorePlan:

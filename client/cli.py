@@ -1,7 +1,8 @@
 """The ``tierckpt`` command line.
 
 Exit codes: 0 ok, 1 not found, 2 bad usage or input (including 4xx answers
-of the service), 3 server error or unreachable. Those outcomes print
+of the service), 3 server error or unreachable, 4 `verify` found a corrupt
+copy (a repair is scheduled; see `status`). Errors print
 ``error: <message>`` on stderr, never a traceback. ``--json`` puts exactly
 one JSON document on stdout.
 """
@@ -28,7 +29,7 @@ from .errors import (
 )
 from .sync_client import CheckpointClient
 
-OK, NOT_FOUND, BAD_INPUT, SERVER_ERROR = 0, 1, 2, 3
+OK, NOT_FOUND, BAD_INPUT, SERVER_ERROR, CORRUPT = 0, 1, 2, 3, 4
 INTERRUPTED = 130
 
 
@@ -179,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("runs", _runs, "list runs")
 
+    sub = command("verify", _verify, "re-read and re-hash every region's copy of a checkpoint")
+    sub.add_argument("run")
+    sub.add_argument("step", type=_non_negative)
+    sub.add_argument("--timeout", type=_seconds, metavar="S", help="give up after S seconds")
+
     sub = command(
         "rebuild-catalog",
         _rebuild_catalog,
@@ -226,6 +232,19 @@ def _rebuild_catalog(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _fail(f"the tierckpt service is not available: {exc}", SERVER_ERROR)
     return rebuild_catalog(args.config, as_json=args.json)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        checkpoint = client.verify(args.run, args.step, timeout=args.timeout)
+    bad = [r for r in checkpoint.replicas if r.state == "corrupt"]
+    if args.json:
+        _emit_json(checkpoint)
+    else:
+        _render.console().print(_render.verify_table(checkpoint))
+    # Corruption found is neither "ok" nor a usage error: its own exit code,
+    # so scripts can tell it apart.
+    return CORRUPT if bad else OK
 
 
 def _register(args: argparse.Namespace) -> int:

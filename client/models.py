@@ -53,7 +53,24 @@ class Replica(_Model):
     state: str
     uri: str | None = None
     verified_at: datetime | None = None
+    committed_at: datetime | None = None
     error: str | None = None
+    lag_seconds: float | None = None
+
+
+class Job(_Model):
+    """Background work on a checkpoint (detail view only)."""
+
+    kind: str
+    state: str
+    region: str | None = None
+    rank: int | None = None
+    attempts: int = 0
+    last_error: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("queued", "running")
 
 
 class Location(_Model):
@@ -86,6 +103,8 @@ class Checkpoint(_Model):
     shards: list[Shard] = Field(default_factory=list)
     files: list[FileEntry] = Field(default_factory=list)
     replicas: list[Replica] = Field(default_factory=list)
+    # Only in the detail view (GET one checkpoint).
+    jobs: list[Job] = Field(default_factory=list)
     # Only in the answer of `latest`.
     locations: list[Location] = Field(default_factory=list)
     local: LocalCopy | None = None
@@ -95,10 +114,14 @@ class Checkpoint(_Model):
     def _dict_or_empty(cls, value: Any) -> Any:
         return _null_as_empty(value, {})
 
-    @field_validator("children", "shards", "files", "replicas", "locations", mode="before")
+    @field_validator("children", "shards", "files", "replicas", "jobs", "locations", mode="before")
     @classmethod
     def _list_or_empty(cls, value: Any) -> Any:
         return _null_as_empty(value, [])
+
+    @property
+    def verifying(self) -> bool:
+        return any(j.kind == "verify" and j.active for j in self.jobs)
 
     @property
     def ref(self) -> CheckpointRef:

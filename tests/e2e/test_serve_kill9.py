@@ -145,6 +145,22 @@ def test_kill9_mid_upload_loses_nothing(
         for relative in files:
             assert sha256_file(tmp_path / "restored" / relative) == sha256_file(ckpt / relative)
 
+        # verify: intact (exit 0); then garbage behind tierckpt's back is
+        # found (exit 4) and repaired from the local T0 copy.
+        intact = cli("--json", "verify", "gpt", "100", "--timeout", "120", server=again.url)
+        assert intact.returncode == 0, intact.stderr
+        assert json.loads(intact.stdout)["replicas"][0]["verified_at"]
+        bad_key = "e2e/gpt/step-000000000100/rank-00000/empty.txt"
+        s3_client.put_object(Bucket=s3_bucket, Key=bad_key, Body=b"not empty")
+        found = cli("--json", "verify", "gpt", "100", "--timeout", "120", server=again.url)
+        assert found.returncode == 4, found.stdout + found.stderr
+        assert "empty.txt" in json.loads(found.stdout)["replicas"][0]["error"]
+        wait_for(
+            f"{again.url}/v1/runs/gpt/checkpoints/100",
+            lambda a: a["state"] == "durable" and a["replicas"][0]["state"] == "committed",
+        )
+        assert sha256_object(s3_client, s3_bucket, bad_key) == sha256_file(ckpt / "empty.txt")
+
 
 def test_sigterm_releases_work_and_cli_exit_codes(
     agent_config: tuple[Path, int, Path], tmp_path: Path
