@@ -16,24 +16,22 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..checkpoints.contents import load_contents
 from ..checkpoints.state import FINAL, lock_checkpoint, refresh_state
 from ..db import transaction
 from ..jobs import queue
 from ..jobs.worker import JobHandler, PermanentJobError
 from ..models import (
     Checkpoint,
-    File,
     Job,
     JobKind,
     Replica,
     ReplicaState,
-    Run,
     Shard,
     utcnow,
 )
 from ..replication.jobs import enqueue_replication
 from ..resources import Resources
-from ..storage import layout
 from ..storage.base import ObjectNotFound, ObjectStore
 from ..uploads.manifest import manifest_digest
 
@@ -129,23 +127,9 @@ class VerifyJobs:
             ):
                 await queue.complete(session, job)  # nothing (left) to verify there
                 return
-            run = await session.get_one(Run, checkpoint.run_id)
-            rows = (
-                await session.execute(
-                    select(Shard.rank, File.path, File.size, File.sha256)
-                    .join(File, File.shard_id == Shard.id)
-                    .where(Shard.checkpoint_id == checkpoint.id)
-                )
-            ).all()
-            expected = [
-                ExpectedObject(
-                    layout.object_key(run.name, checkpoint.step, r.rank, r.path),
-                    r.size,
-                    r.sha256 or "",
-                )
-                for r in rows
-            ]
-            manifest_key = layout.manifest_key(run.name, checkpoint.step)
+            contents = await load_contents(session, checkpoint)
+            expected = [ExpectedObject(o.key, o.size, o.sha256 or "") for o in contents.objects]
+            manifest_key = contents.manifest_key(checkpoint)
             manifest_sha256 = replica.manifest_sha256
 
         problems = await self._check(store, expected, manifest_key, manifest_sha256)

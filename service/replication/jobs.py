@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..checkpoints.contents import load_contents
 from ..checkpoints.state import lock_checkpoint, refresh_state
 from ..db import transaction
 from ..jobs import queue
@@ -25,19 +26,15 @@ from ..models import (
     PRIORITY,
     Checkpoint,
     CheckpointState,
-    File,
     Job,
     JobKind,
     Replica,
     ReplicaState,
-    Run,
-    Shard,
     utcnow,
 )
 from ..resources import Resources
-from ..storage import layout
 from ..storage.base import ObjectStore, PartRef, StoreError
-from ..uploads.manifest import ManifestFile, build_manifest, manifest_digest
+from ..uploads.manifest import manifest_digest
 
 # Effectively forever: with backoff capped at worker.backoff_max, a region can
 # be down for weeks and its replicas still arrive once it is back.
@@ -178,36 +175,10 @@ class ReplicationJobs:
                 )
                 if r.region in self.r.stores
             ]
-            run = await session.get_one(Run, checkpoint.run_id)
-            rows = (
-                await session.execute(
-                    select(Shard.rank, File.path, File.size, File.sha256)
-                    .join(File, File.shard_id == Shard.id)
-                    .where(Shard.checkpoint_id == checkpoint.id)
-                )
-            ).all()
-            manifest = build_manifest(
-                run=run.name,
-                step=checkpoint.step,
-                world_size=checkpoint.world_size,
-                epoch=checkpoint.epoch,
-                parent={"run": checkpoint.parent_run, "step": checkpoint.parent_step}
-                if checkpoint.parent_run is not None
-                else None,
-                metrics=checkpoint.metrics,
-                metadata=checkpoint.meta,
-                created_at=checkpoint.created_at,
-                files=[ManifestFile(r.rank, r.path, r.size, r.sha256 or "") for r in rows],
-            )
-            objects = [
-                ObjectToCopy(
-                    layout.object_key(run.name, checkpoint.step, r.rank, r.path),
-                    r.size,
-                    r.sha256 or "",
-                )
-                for r in rows
-            ]
-            manifest_key = layout.manifest_key(run.name, checkpoint.step)
+            contents = await load_contents(session, checkpoint)
+            manifest = contents.manifest(checkpoint)
+            manifest_key = contents.manifest_key(checkpoint)
+            objects = [ObjectToCopy(o.key, o.size, o.sha256 or "") for o in contents.objects]
         if not sources:
             # Nothing intact to copy from yet (primary still uploading, or every
             # copy corrupt): wait with backoff rather than fail.

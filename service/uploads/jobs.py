@@ -8,6 +8,7 @@ from pathlib import Path
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..checkpoints.contents import load_contents
 from ..checkpoints.state import FINAL, lock_checkpoint, refresh_state
 from ..db import transaction
 from ..jobs import queue
@@ -30,7 +31,7 @@ from ..replication.jobs import enqueue_replication
 from ..resources import Resources
 from ..storage import layout
 from ..storage.base import StoreError
-from .manifest import ManifestFile, build_manifest, manifest_digest
+from .manifest import manifest_digest
 from .pipeline import UploadedFile, UploadLimits, upload_file
 from .source import SourceChanged, SourceFile
 
@@ -201,36 +202,11 @@ class UploadJobs:
             if checkpoint.state in FINAL:
                 await queue.complete(session, job)
                 return
-            run = await session.get_one(Run, checkpoint.run_id)
-            rows = (
-                await session.execute(
-                    select(Shard.rank, Shard.state, File.path, File.size, File.sha256)
-                    .join(File, File.shard_id == Shard.id)
-                    .where(Shard.checkpoint_id == checkpoint.id)
-                )
-            ).all()
-            ranks = {row.rank for row in rows}
-            if len(ranks) != checkpoint.world_size or any(
-                row.state != ShardState.UPLOADED or row.sha256 is None for row in rows
-            ):
+            contents = await load_contents(session, checkpoint)
+            if not contents.complete:
                 raise PermanentJobError("commit attempted before every shard was uploaded")
-            parent = (
-                {"run": checkpoint.parent_run, "step": checkpoint.parent_step}
-                if checkpoint.parent_run is not None
-                else None
-            )
-            manifest = build_manifest(
-                run=run.name,
-                step=checkpoint.step,
-                world_size=checkpoint.world_size,
-                epoch=checkpoint.epoch,
-                parent=parent,
-                metrics=checkpoint.metrics,
-                metadata=checkpoint.meta,
-                created_at=checkpoint.created_at,
-                files=[ManifestFile(r.rank, r.path, r.size, r.sha256) for r in rows],
-            )
-            key = layout.manifest_key(run.name, checkpoint.step)
+            manifest = contents.manifest(checkpoint)
+            key = contents.manifest_key(checkpoint)
 
         try:
             await store.put_bytes(key, manifest)

@@ -1,0 +1,75 @@
+"""What a checkpoint consists of in a region: its objects and its manifest.
+
+Commit, replicate and verify jobs all need the same answer, built here from
+the catalog so every region gets byte-identical manifests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..models import Checkpoint, File, Run, Shard, ShardState
+from ..storage import layout
+from ..uploads.manifest import ManifestFile, build_manifest
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    rank: int
+    path: str
+    key: str
+    size: int
+    sha256: str | None
+
+
+@dataclass(frozen=True)
+class Contents:
+    run: str
+    objects: list[StoredObject]
+    complete: bool  # every rank uploaded and every file hashed
+
+    def manifest(self, checkpoint: Checkpoint) -> bytes:
+        return build_manifest(
+            run=self.run,
+            step=checkpoint.step,
+            world_size=checkpoint.world_size,
+            epoch=checkpoint.epoch,
+            parent={"run": checkpoint.parent_run, "step": checkpoint.parent_step}
+            if checkpoint.parent_run is not None
+            else None,
+            metrics=checkpoint.metrics,
+            metadata=checkpoint.meta,
+            created_at=checkpoint.created_at,
+            files=[ManifestFile(o.rank, o.path, o.size, o.sha256 or "") for o in self.objects],
+        )
+
+    def manifest_key(self, checkpoint: Checkpoint) -> str:
+        return layout.manifest_key(self.run, checkpoint.step)
+
+
+async def load_contents(session: AsyncSession, checkpoint: Checkpoint) -> Contents:
+    run = await session.get_one(Run, checkpoint.run_id)
+    rows = (
+        await session.execute(
+            select(Shard.rank, Shard.state, File.path, File.size, File.sha256)
+            .join(File, File.shard_id == Shard.id)
+            .where(Shard.checkpoint_id == checkpoint.id)
+        )
+    ).all()
+    complete = len({row.rank for row in rows}) == checkpoint.world_size and all(
+        row.state == ShardState.UPLOADED and row.sha256 is not None for row in rows
+    )
+    objects = [
+        StoredObject(
+            rank=row.rank,
+            path=row.path,
+            key=layout.object_key(run.name, checkpoint.step, row.rank, row.path),
+            size=row.size,
+            sha256=row.sha256,
+        )
+        for row in rows
+    ]
+    return Contents(run=run.name, objects=objects, complete=complete)
