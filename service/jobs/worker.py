@@ -108,6 +108,9 @@ class Worker:
             if self._stopping.is_set():
                 self._slots.release()
                 break
+            # Cleared before looking, not after: a wake-up that arrives while
+            # the claim runs must not be lost (it would cost a poll interval).
+            self._wakeup.clear()
             try:
                 job = await self._claim()
             except (OperationalError, DBAPIError, OSError) as exc:
@@ -116,7 +119,6 @@ class Worker:
                 job = None
             if job is None:
                 self._slots.release()
-                self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), self._settings.poll_interval)
                 except TimeoutError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -49,6 +50,18 @@ def write_config(
     return path
 
 
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    # The agents run in their own session (so a test can SIGKILL exactly
+    # them); an interrupted test run must still not leave them behind.
+    for proc in _STARTED:
+        if proc.poll() is None:
+            proc.kill()
+
+
 class ServeProcess:
     """`tierckpt serve --config FILE` in the background, its log in a file."""
 
@@ -73,6 +86,7 @@ class ServeProcess:
                 env=env,
                 start_new_session=True,
             )
+        _STARTED.append(self.proc)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,33 @@
+"""CPU time and memory of another process, from /proc (Linux)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` (all its threads) so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # The command name (field 2) may contain spaces: split after its ')'.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of stat
+    return (utime + stime) / _TICKS
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS (now) and VmHWM (peak resident set) of `pid`, in KiB."""
+    out: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0])
+    return out
+
+
+def self_cpu_seconds() -> float:
+    """CPU seconds of this process, all threads (boto3's transfer threads included)."""
+    times = os.times()
+    return times.user + times.system

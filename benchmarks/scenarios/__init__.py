@@ -1,0 +1,25 @@
+"""Benchmark scenarios, one module each, run in this order.
+
+A scenario module has:
+- ``NAME`` (the key in the JSON and for ``--only``), ``TITLE`` (table title);
+- ``REQUIRES``: names of scenarios that must run before it (their results
+  reach it through ``ctx.shared``);
+- ``run(ctx: BenchContext) -> dict`` returning ``{"rows": [...], "notes":
+  [...], "details": {...}}``; rows come from ``benchmarks.stats.row`` and are
+  rendered by ``benchmarks.report``.
+
+To add one (two regions, a 100k-checkpoint catalog, dedup, …): write the
+module and append it to SCENARIOS.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import cpu, register_latency, restore, upload
+
+SCENARIOS: list[ModuleType] = [upload, cpu, restore, register_latency]
+
+
+def by_name() -> dict[str, ModuleType]:
+    return {module.NAME: module for module in SCENARIOS}

@@ -1,0 +1,200 @@
+"""Restore: `CheckpointClient.restore` against boto3 `download_file` of the same objects.
+
+The objects are those of a durable tierckpt checkpoint (the upload
+scenario's last step, or one uploaded here). Variants, repeated in rotating
+order, each into a fresh directory removed after the measurement:
+
+- ``tierckpt``: ``CheckpointClient(url).restore(run, dest, step=…)``: restore
+  plan from the agent, parallel ranged GETs from presigned URLs, SHA-256 of
+  every file checked against the catalog, fsync, rename into place.
+- ``boto3 default``: ``download_file`` per object, one after another,
+  default TransferConfig; no hash check, no fsync.
+- ``boto3 + sha256``: the same, then hashlib over each file and a comparison
+  with the catalog's SHA-256: what a careful user script would do.
+- ``boto3 + sha256 + fsync``: and fsync each file: the guarantees of
+  tierckpt's restore (but re-reading the data to hash it).
+- ``boto3 pool×8``: 8 files at a time from a ThreadPoolExecutor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tierckpt.client import CheckpointClient, TransferOptions
+
+from ..context import REGION_PREFIX, BenchContext, log, settle
+from ..data import MiB, link_copy
+from ..procstat import cpu_seconds, self_cpu_seconds
+from ..stats import GB, MB, ratios, row
+
+NAME = "restore"
+TITLE = "Restore: tierckpt restore vs boto3 download_file (MB/s, higher is better)"
+REQUIRES: tuple[str, ...] = ()
+
+RUN = "bench-upload"  # the upload scenario's run
+POOL_FILES = 8
+
+Measure = Callable[[Path], None]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(4 * MiB):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _durable_step(ctx: BenchContext) -> int:
+    steps = ctx.shared.get("upload_steps")
+    if steps:
+        return int(steps[-1])
+    step = ctx.next_step()
+    dataset = link_copy(ctx.dataset, ctx.ssd / RUN / f"step-{step}")
+    with CheckpointClient(ctx.agent.url) as client:
+        client.register(RUN, step, dataset.root)
+        client.wait(RUN, step, state="durable", timeout=900, poll_interval=0.05)
+    return step
+
+
+def run(ctx: BenchContext) -> dict[str, Any]:
+    step = _durable_step(ctx)
+    with CheckpointClient(ctx.agent.url) as client:
+        files = [(f.path, f.size, f.sha256) for f in client.get(RUN, step).files]
+    total = sum(size for _, size, _ in files)
+    s3 = ctx.s3()
+    pooled = ctx.s3(max_pool_connections=64)
+
+    def key(relative: str) -> str:
+        return f"{REGION_PREFIX}/{RUN}/step-{step:012d}/rank-00000/{relative}"
+
+    def tierckpt(dest: Path) -> None:
+        with CheckpointClient(ctx.agent.url) as client:
+            client.restore(RUN, dest, step=step)
+
+    def boto3_one(client: Any, dest: Path, relative: str) -> Path:
+        target = dest / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        client.download_file(ctx.bucket, key(relative), str(target))
+        return target
+
+    def boto3_default(dest: Path) -> None:
+        for relative, _, _ in files:
+            boto3_one(s3, dest, relative)
+
+    def boto3_verified(dest: Path) -> None:
+        for relative, _, sha in files:
+            if _sha256(boto3_one(s3, dest, relative)) != sha:
+                raise RuntimeError(f"{relative}: SHA-256 mismatch after download")
+
+    def boto3_durable(dest: Path) -> None:
+        for relative, _, sha in files:
+            target = boto3_one(s3, dest, relative)
+            if _sha256(target) != sha:
+                raise RuntimeError(f"{relative}: SHA-256 mismatch after download")
+            _fsync(target)
+
+    def boto3_pool(dest: Path) -> None:
+        with ThreadPoolExecutor(max_workers=POOL_FILES) as executor:
+            list(executor.map(lambda f: boto3_one(pooled, dest, f[0]), files))
+
+    measures: dict[str, Measure] = {
+        "tierckpt": tierckpt,
+        "boto3 default": boto3_default,
+        "boto3 + sha256": boto3_verified,
+        "boto3 + sha256 + fsync": boto3_durable,
+        f"boto3 pool×{POOL_FILES}": boto3_pool,
+    }
+    names = list(measures)
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    base = ctx.work / "restore"
+    for rep in range(ctx.reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in order:
+            dest = base / f"{name.replace(' ', '_')}-{rep}"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            settle()
+            cpu_before = self_cpu_seconds()
+            agent_before = cpu_seconds(ctx.agent.pid)
+            began = time.perf_counter()
+            measures[name](dest)
+            seconds = time.perf_counter() - began
+            result = {
+                "seconds": seconds,
+                "cpu_bench": self_cpu_seconds() - cpu_before,
+                "cpu_agent": cpu_seconds(ctx.agent.pid) - agent_before,
+            }
+            got = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+            shutil.rmtree(dest)
+            if got != total:
+                raise RuntimeError(f"restore {name}: {got} bytes on disk, expected {total}")
+            results[name].append(result)
+            log(f"restore rep {rep + 1}/{ctx.reps} {name:<16} {total / seconds / MB:7.1f} MB/s")
+
+    mbps = {name: [total / r["seconds"] / MB for r in results[name]] for name in names}
+    rows = [
+        row(
+            "tierckpt",
+            "throughput",
+            "MB/s",
+            mbps["tierckpt"],
+            note=f"{TransferOptions().range_size // MiB} MiB ranged GETs "
+            f"×{TransferOptions().concurrency}, SHA-256 verified, fsync + atomic rename",
+        )
+    ]
+    notes = {
+        "boto3 default": "no hash check, no fsync",
+        "boto3 + sha256": "hash re-read after download; no fsync",
+        "boto3 + sha256 + fsync": "hash re-read, then fsync each file: same guarantees",
+        f"boto3 pool×{POOL_FILES}": "no hash check, no fsync",
+    }
+    for name in names[1:]:
+        rows.append(
+            row(
+                name,
+                "throughput",
+                "MB/s",
+                mbps[name],
+                ratio_label="tierckpt / this",
+                ratio_values=ratios(mbps["tierckpt"], mbps[name]),
+                note=notes[name],
+            )
+        )
+    gigabytes = total / GB
+    tier_cpu = [r["cpu_bench"] / gigabytes for r in results["tierckpt"]]
+    for name in names:
+        mine = [r["cpu_bench"] / gigabytes for r in results[name]]
+        rows.append(
+            row(
+                name,
+                "client CPU",
+                "s/GB",
+                mine,
+                ratio_label="tierckpt / this" if name != "tierckpt" else None,
+                ratio_values=ratios(tier_cpu, mine) if name != "tierckpt" else None,
+                note="this process, all threads",
+            )
+        )
+    return {
+        "rows": rows,
+        "notes": [
+            f"Checkpoint {RUN}:{step}: {len(files)} files, {total / 1e6:.0f} MB; the same "
+            "objects for every variant, each variant into a fresh directory.",
+        ],
+        "details": {"step": step, "bytes": total, "files": len(files), "runs": results},
+    }
