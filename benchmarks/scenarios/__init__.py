@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import cpu, register_latency, restore, upload
+from . import cpu, register_latency, restore, two_regions, upload
 
-SCENARIOS: list[ModuleType] = [upload, cpu, restore, register_latency]
+SCENARIOS: list[ModuleType] = [upload, cpu, restore, register_latency, two_regions]
 
 
 def by_name() -> dict[str, ModuleType]:
