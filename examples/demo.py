@@ -321,12 +321,10 @@ class Demo:
         stack.callback(west.stop)
         seaweed.start()
         seaweed.create_bucket(BUCKET)
-        say(
-            f"region east: SeaweedFS S3 up at {seaweed.endpoint_url} in {seaweed.start_seconds:.1f} s"
-        )
+        say(f"region east: S3 up at {seaweed.endpoint_url} in {seaweed.start_seconds:.1f} s")
         west.start()
         west.create_bucket(BUCKET)
-        say(f"region west: SeaweedFS S3 up at {west.endpoint_url} in {west.start_seconds:.1f} s")
+        say(f"region west: S3 up at {west.endpoint_url} in {west.start_seconds:.1f} s")
 
         port = free_port()
         url = f"http://127.0.0.1:{port}"
