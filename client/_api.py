@@ -23,6 +23,7 @@ from .models import (
     STATE_ORDER,
     Checkpoint,
     CheckpointRef,
+    Lineage,
     RestorePlan,
     RunSummary,
 )
@@ -57,6 +58,25 @@ def _query(**params: Any) -> dict[str, Any]:
 
 def _checkpoint(data: Any) -> Checkpoint:
     return Checkpoint.model_validate(data)
+
+
+class _AutoParent:
+    """Default of ``register(parent=…)``: the checkpoint this client restored
+    last, if any (a resumed run descends from what it resumed from)."""
+
+    def __repr__(self) -> str:
+        return "AUTO_PARENT"
+
+
+AUTO_PARENT = _AutoParent()
+
+
+def lineage(run: str, step: int) -> Call[Lineage]:
+    return Call(
+        "GET",
+        f"/v1/runs/{_seg(run)}/checkpoints/{_seg(step)}/lineage",
+        Lineage.model_validate,
+    )
 
 
 def _parent(parent: ParentLike, run: str) -> dict[str, Any] | None:

@@ -21,8 +21,9 @@ from rich.progress import (
 )
 from rich.table import Table
 from rich.text import Text
+from rich.tree import Tree
 
-from .models import Checkpoint, RunSummary
+from .models import Checkpoint, Lineage, LineageNode, RunSummary
 
 _STYLE = {
     "registered": "yellow",
@@ -201,3 +202,25 @@ def verify_table(checkpoint: Checkpoint) -> Table:
             replica.error or ("intact" if replica.state == "committed" else "-"),
         )
     return table
+
+
+def lineage_tree(lineage: Lineage) -> Tree:
+    """Oldest ancestor at the root, down to the checkpoint, then its children."""
+
+    def label(node: LineageNode, *, me: bool = False) -> Text:
+        text = Text(f"{node.run}:{node.step} ", style="bold" if me else "")
+        text.append_text(
+            state(node.state) if node.state else Text("(not in this catalog)", style="dim")
+        )
+        return text
+
+    chain = list(reversed(lineage.ancestors))
+    root = Tree(label(chain[0]) if chain else label(lineage.checkpoint, me=True))
+    branch = root
+    for node in chain[1:]:
+        branch = branch.add(label(node))
+    if chain:
+        branch = branch.add(label(lineage.checkpoint, me=True))
+    for child in lineage.children:
+        branch.add(label(child))
+    return root

@@ -15,7 +15,7 @@ from . import _api
 from ._api import DEFAULT_URL, USER_AGENT, Call, FilesLike, ParentLike
 from ._download import TransferOptions
 from .errors import NotFoundError, error_from_transport
-from .models import Checkpoint, RestorePlan, RunSummary
+from .models import Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
 from .restore import Progress, check_destination, restore_from_plan
 
 T = TypeVar("T")
@@ -27,6 +27,8 @@ class AsyncCheckpointClient:
     ``transport`` replaces the network (tests, custom TLS); ``transfer`` tunes
     restore downloads.
     """
+
+    _restored: CheckpointRef | None = None
 
     def __init__(
         self,
@@ -76,14 +78,19 @@ class AsyncCheckpointClient:
         rank: int = 0,
         world_size: int = 1,
         metrics: Mapping[str, float] | None = None,
-        parent: ParentLike = None,
+        parent: ParentLike | _api._AutoParent = _api.AUTO_PARENT,
         priority: str = "normal",
         epoch: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         files: FilesLike = None,
         write_seconds: float | None = None,
     ) -> Checkpoint:
-        """Register a checkpoint written at ``path``; returns at once (202)."""
+        """Register a checkpoint written at ``path``; returns at once (202).
+
+        ``parent`` defaults to the checkpoint this client restored last (then
+        forgotten); pass None for no parent."""
+        if isinstance(parent, _api._AutoParent):
+            parent, self._restored = self._restored, None
         return await self._send(
             _api.register(
                 run,
@@ -195,7 +202,7 @@ class AsyncCheckpointClient:
         or be empty); returns ``dest``. Falls back across regions."""
         check_destination(dest)
         plan = await self.restore_plan(run, step, region=region, rank=rank)
-        return await restore_from_plan(
+        restored = await restore_from_plan(
             plan,
             dest,
             http=self._http,
@@ -204,3 +211,9 @@ class AsyncCheckpointClient:
             progress=progress,
             options=self._transfer,
         )
+        self._restored = CheckpointRef(run=plan.run, step=plan.step)
+        return restored
+
+    async def lineage(self, run: str, step: int) -> Lineage:
+        """Ancestors (across runs, parent first) and direct children."""
+        return await self._send(_api.lineage(run, step))

@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("runs", _runs, "list runs")
 
+    sub = command("lineage", _lineage, "show a checkpoint's ancestors and children as a tree")
+    sub.add_argument("run")
+    sub.add_argument("step", type=_non_negative)
+
     sub = command("verify", _verify, "re-read and re-hash every region's copy of a checkpoint")
     sub.add_argument("run")
     sub.add_argument("step", type=_non_negative)
@@ -232,6 +236,16 @@ def _rebuild_catalog(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _fail(f"the tierckpt service is not available: {exc}", SERVER_ERROR)
     return rebuild_catalog(args.config, as_json=args.json)
+
+
+def _lineage(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        lineage = client.lineage(args.run, args.step)
+    if args.json:
+        _emit_json(lineage)
+    else:
+        _render.console().print(_render.lineage_tree(lineage))
+    return OK
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -156,3 +156,17 @@ class RestorePlan(_Model):
     step: int
     world_size: int = 1
     sources: list[RestoreSource] = Field(default_factory=list)
+
+
+class LineageNode(_Model):
+    run: str
+    step: int
+    state: str | None = None  # None: the parent is not in this catalog
+    created_at: datetime | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class Lineage(_Model):
+    checkpoint: LineageNode
+    ancestors: list[LineageNode] = Field(default_factory=list)  # parent first
+    children: list[LineageNode] = Field(default_factory=list)

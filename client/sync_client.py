@@ -22,7 +22,7 @@ from . import _api
 from ._api import DEFAULT_URL, USER_AGENT, Call, FilesLike, ParentLike
 from ._download import TransferOptions
 from .errors import NotFoundError, error_from_transport
-from .models import Checkpoint, RestorePlan, RunSummary
+from .models import Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
 from .restore import Progress, check_destination, restore_from_plan
 
 T = TypeVar("T")
@@ -46,6 +46,8 @@ class CheckpointClient:
     restore downloads (defaults to ``transport`` when it can serve both, as
     ``httpx.MockTransport`` does). ``transfer`` tunes restore downloads.
     """
+
+    _restored: CheckpointRef | None = None
 
     def __init__(
         self,
@@ -100,14 +102,19 @@ class CheckpointClient:
         rank: int = 0,
         world_size: int = 1,
         metrics: Mapping[str, float] | None = None,
-        parent: ParentLike = None,
+        parent: ParentLike | _api._AutoParent = _api.AUTO_PARENT,
         priority: str = "normal",
         epoch: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         files: FilesLike = None,
         write_seconds: float | None = None,
     ) -> Checkpoint:
-        """Register a checkpoint written at ``path``; returns at once (202)."""
+        """Register a checkpoint written at ``path``; returns at once (202).
+
+        ``parent`` defaults to the checkpoint this client restored last (then
+        forgotten); pass None for no parent."""
+        if isinstance(parent, _api._AutoParent):
+            parent, self._restored = self._restored, None
         return self._send(
             _api.register(
                 run,
@@ -243,4 +250,10 @@ class CheckpointClient:
                 if self._async_transport is None:
                     await http.aclose()
 
-        return _run_blocking(download)
+        restored = _run_blocking(download)
+        self._restored = CheckpointRef(run=plan.run, step=plan.step)
+        return restored
+
+    def lineage(self, run: str, step: int) -> Lineage:
+        """Ancestors (across runs, parent first) and direct children."""
+        return self._send(_api.lineage(run, step))

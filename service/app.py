@@ -16,10 +16,13 @@ from .health.routes import router as health_router
 from .integrity.jobs import VerifyJobs
 from .integrity.scrub import Scrubber
 from .jobs.worker import Worker
-from .limits import BodySizeLimit
+from .limits import BodySizeLimit, RateLimit
 from .regions.routes import router as regions_router
 from .replication.jobs import ReplicationJobs
 from .resources import Resources
+from .retention.jobs import DeleteJobs
+from .retention.routes import router as retention_router
+from .retention.sweeper import RetentionSweeper
 from .runs.routes import router as runs_router
 from .storage.base import StoreError
 from .storage.factory import build_stores
@@ -45,6 +48,7 @@ async def open_resources(settings: Settings, *, start_worker: bool = True) -> Re
             **UploadJobs(resources).handlers(),
             **ReplicationJobs(resources).handlers(),
             **VerifyJobs(resources).handlers(),
+            **DeleteJobs(resources).handlers(),
         }
         resources.worker = Worker(
             resources.sessionmaker, handlers, settings.worker, settings.server.node
@@ -53,10 +57,14 @@ async def open_resources(settings: Settings, *, start_worker: bool = True) -> Re
         if settings.scrub.enabled:
             resources.scrubber = Scrubber(resources, settings.scrub)
             resources.scrubber.start()
+        resources.sweeper = RetentionSweeper(resources)
+        resources.sweeper.start()
     return resources
 
 
 async def close_resources(resources: Resources) -> None:
+    if resources.sweeper is not None:
+        await resources.sweeper.stop()
     if resources.scrubber is not None:
         await resources.scrubber.stop()
     if resources.worker is not None:
@@ -82,8 +90,16 @@ def create_app(settings: Settings, *, start_worker: bool = True) -> FastAPI:
     )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)
+    # Added last = outermost: a throttled caller costs no body read.
+    app.add_middleware(
+        RateLimit,
+        rate=settings.server.rate_limit_per_second,
+        burst=settings.server.rate_limit_burst,
+        tokens=settings.tokens,
+    )
     app.include_router(health_router)
     app.include_router(checkpoints_router)
     app.include_router(runs_router)
+    app.include_router(retention_router)
     app.include_router(regions_router)
     return app

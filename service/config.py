@@ -37,6 +37,12 @@ class ServerSettings(BaseModel):
     port: int = Field(8470, ge=0, le=65535)
     node: str = Field(default_factory=socket.gethostname)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # Requests per second per token (per client address for unauthenticated
+    # callers and for the loopback admin when no tokens are configured), as a
+    # token bucket of `rate_limit_burst`; 0 turns the limit off. Health probes
+    # and the POSIX object downloads of a restore are not counted.
+    rate_limit_per_second: float = Field(200.0, ge=0)
+    rate_limit_burst: int = Field(400, ge=1)
 
 
 class CatalogSettings(BaseModel):
@@ -100,6 +106,9 @@ class RegionSettings(BaseModel):
 
 class DurabilitySettings(BaseModel):
     min_regions: int = Field(1, ge=1)
+    # A checkpoint still missing ranks this long after its first one is
+    # failed: it can never become valid and must not linger as "uploading".
+    incomplete_timeout_hours: float = Field(24.0, gt=0)
 
 
 class TokenSettings(BaseModel):
@@ -143,12 +152,27 @@ class ScrubSettings(BaseModel):
     min_age_hours: float = Field(24.0, ge=0)
 
 
-class RetentionSettings(BaseModel):
-    keep_last: int | None = None
-    keep_every_steps: int | None = None
-    keep_best: dict[str, Any] | None = None
-    keep_daily_days: int | None = None
-    keep_weekly_weeks: int | None = None
+class KeepBestSettings(BaseModel):
+    metric: str = Field(min_length=1, max_length=128)
+    mode: Literal["min", "max"] = "min"
+    n: int = Field(1, ge=1)
+
+
+class RetentionPolicySettings(BaseModel):
+    """One run's retention (also the body of PUT /v1/runs/{run}/retention).
+    Nothing set keeps everything."""
+
+    keep_last: int | None = Field(None, ge=1)
+    keep_every_steps: int | None = Field(None, ge=1)
+    keep_best: KeepBestSettings | None = None
+    keep_daily_days: int | None = Field(None, ge=1)
+    keep_weekly_weeks: int | None = Field(None, ge=1)
+
+
+class RetentionSettings(RetentionPolicySettings):
+    """The server default, plus how often the agent applies retention."""
+
+    interval_seconds: float = Field(300.0, gt=0)
 
 
 class Settings(BaseModel):

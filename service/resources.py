@@ -13,6 +13,7 @@ from .storage.factory import Stores
 if TYPE_CHECKING:
     from .integrity.scrub import Scrubber
     from .jobs.worker import Worker
+    from .retention.sweeper import RetentionSweeper
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Resources:
     stores: Stores
     worker: Worker | None = field(default=None)
     scrubber: Scrubber | None = field(default=None)
+    sweeper: RetentionSweeper | None = field(default=None)
 
     def wake_worker(self) -> None:
         if self.worker is not None:

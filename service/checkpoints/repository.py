@@ -100,7 +100,12 @@ async def latest_valid(
     )
     statement = (
         select(Checkpoint)
-        .where(Checkpoint.run_id == run_id, Checkpoint.state.in_(VALID_STATES), good >= min_regions)
+        .where(
+            Checkpoint.run_id == run_id,
+            Checkpoint.state.in_(VALID_STATES),
+            Checkpoint.quarantined_at.is_(None),
+            good >= min_regions,
+        )
         .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc())
         .limit(1)
     )
@@ -128,8 +133,11 @@ async def list_checkpoints(
     max_step: int | None,
     limit: int,
     offset: int,
+    pinned: bool | None = None,
 ) -> tuple[list[Checkpoint], int]:
     conditions = [Checkpoint.run_id == run_id]
+    if pinned is not None:
+        conditions.append(Checkpoint.pinned.is_(pinned))
     if states:
         conditions.append(Checkpoint.state.in_(states))
     if min_step is not None:

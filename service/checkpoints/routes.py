@@ -10,7 +10,15 @@ from fastapi.responses import JSONResponse
 from ..auth import Action, authorize
 from ..deps import CheckpointServiceDep, PrincipalDep
 from ..models import CheckpointState
-from .schemas import CheckpointOut, CheckpointPage, LatestOut, RegisterRequest, RestorePlan
+from .schemas import (
+    CheckpointOut,
+    CheckpointPage,
+    LatestOut,
+    LineageOut,
+    QuarantineRequest,
+    RegisterRequest,
+    RestorePlan,
+)
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"])
 
@@ -37,6 +45,7 @@ async def list_checkpoints(
     state: Annotated[list[CheckpointState] | None, Query()] = None,
     min_step: Annotated[int | None, Query(ge=0)] = None,
     max_step: Annotated[int | None, Query(ge=0)] = None,
+    pinned: bool | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> CheckpointPage:
@@ -48,6 +57,7 @@ async def list_checkpoints(
         max_step=max_step,
         limit=limit,
         offset=offset,
+        pinned=pinned,
     )
     return CheckpointPage(checkpoints=checkpoints, total=total)
 
@@ -93,3 +103,63 @@ async def verify_checkpoint(
     lists the queued verify jobs, the detail view shows their outcome."""
     authorize(principal, Action.WRITE, run)
     return await service.verify(run, step)
+
+
+@router.get("/runs/{run}/checkpoints/{step}/lineage", response_model=LineageOut)
+async def checkpoint_lineage(
+    run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
+) -> LineageOut:
+    """The ancestor chain (across runs, parent first) and the direct children."""
+    authorize(principal, Action.READ, run)
+    return await service.lineage(run, step)
+
+
+@router.post("/runs/{run}/checkpoints/{step}/pin", response_model=CheckpointOut)
+async def pin_checkpoint(
+    run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
+) -> CheckpointOut:
+    authorize(principal, Action.ADMIN, run)
+    return await service.set_pinned(run, step, True)
+
+
+@router.delete("/runs/{run}/checkpoints/{step}/pin", response_model=CheckpointOut)
+async def unpin_checkpoint(
+    run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
+) -> CheckpointOut:
+    authorize(principal, Action.ADMIN, run)
+    return await service.set_pinned(run, step, False)
+
+
+@router.post("/runs/{run}/checkpoints/{step}/quarantine", response_model=CheckpointOut)
+async def quarantine_checkpoint(
+    run: str,
+    step: int,
+    body: QuarantineRequest,
+    service: CheckpointServiceDep,
+    principal: PrincipalDep,
+) -> CheckpointOut:
+    """Mark a checkpoint bad (e.g. training diverged from it): `latest` skips it."""
+    authorize(principal, Action.ADMIN, run)
+    return await service.quarantine(run, step, body.reason)
+
+
+@router.delete("/runs/{run}/checkpoints/{step}/quarantine", response_model=CheckpointOut)
+async def release_quarantine(
+    run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
+) -> CheckpointOut:
+    authorize(principal, Action.ADMIN, run)
+    return await service.quarantine(run, step, None)
+
+
+@router.delete("/runs/{run}/checkpoints/{step}", status_code=202, response_model=CheckpointOut)
+async def delete_checkpoint(
+    run: str,
+    step: int,
+    service: CheckpointServiceDep,
+    principal: PrincipalDep,
+    force: bool = False,
+) -> CheckpointOut:
+    """Remove it from every region (manifest first); the row stays as `deleted`.
+    Pinned ones are refused; the latest valid one only with force=true."""
+    authorize(principal, Action.ADMIN, run)
+    return await service.delete(run, step, principal.name, force)

@@ -147,6 +147,11 @@ class CheckpointOut(BaseModel):
     total_bytes: int
     file_count: int
     write_seconds: float | None
+    pinned: bool = False
+    quarantined_at: datetime | None = None
+    quarantine_reason: str | None = None
+    deleted_at: datetime | None = None
+    deleted_reason: str | None = None
     shards: list[ShardOut]
     files: list[FileOut] | None = None
     replicas: list[ReplicaOut]
@@ -154,7 +159,7 @@ class CheckpointOut(BaseModel):
     # running or failed, with attempts and the last error.
     jobs: list[JobOut] | None = None
 
-    @field_serializer("created_at", "durable_at")
+    @field_serializer("created_at", "durable_at", "quarantined_at", "deleted_at")
     def _ts(self, value: datetime | None) -> str | None:
         return _iso(value)
 
@@ -197,3 +202,25 @@ class RestorePlan(BaseModel):
     step: int
     world_size: int
     sources: list[PlanSource]
+
+
+class QuarantineRequest(StrictModel):
+    reason: str = Field(min_length=1, max_length=4000)
+
+
+class LineageNode(BaseModel):
+    run: str
+    step: int
+    state: str | None  # None: the parent is not in this catalog
+    created_at: datetime | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+    @field_serializer("created_at")
+    def _ts(self, value: datetime | None) -> str | None:
+        return _iso(value)
+
+
+class LineageOut(BaseModel):
+    checkpoint: LineageNode
+    ancestors: list[LineageNode]  # parent first, then its parent, ...
+    children: list[LineageNode]

@@ -36,6 +36,8 @@ from .schemas import (
     FileOut,
     JobOut,
     LatestOut,
+    LineageNode,
+    LineageOut,
     LocalCopyOut,
     LocationOut,
     PlanFile,
@@ -291,6 +293,11 @@ class CheckpointService:
             total_bytes=c.total_bytes,
             file_count=c.file_count,
             write_seconds=c.write_seconds,
+            pinned=c.pinned,
+            quarantined_at=c.quarantined_at,
+            quarantine_reason=c.quarantine_reason,
+            deleted_at=c.deleted_at,
+            deleted_reason=c.deleted_reason,
             shards=[
                 ShardOut(rank=s.rank, node=s.node, path=s.path, state=s.state, error=s.error)
                 for s in shards
@@ -319,6 +326,7 @@ class CheckpointService:
         max_step: int | None,
         limit: int,
         offset: int,
+        pinned: bool | None = None,
     ) -> tuple[list[CheckpointOut], int]:
         page, total = await repo.list_checkpoints(
             self.session,
@@ -328,6 +336,7 @@ class CheckpointService:
             max_step=max_step,
             limit=limit,
             offset=offset,
+            pinned=pinned,
         )
         return await self.describe_many(run, page), total
 
@@ -410,6 +419,84 @@ class CheckpointService:
         await self.session.commit()
         self.r.wake_worker()
         return await self.get(run, step)
+
+    # -- curation: pins, quarantine, deletion, lineage -----------------------
+
+    async def set_pinned(self, run: str, step: int, pinned: bool) -> CheckpointOut:
+        checkpoint = await self._checkpoint(run, step)
+        if pinned and checkpoint.state == CheckpointState.DELETED:
+            raise Conflict(f"{run} step {step} is deleted; it cannot be pinned", code="deleted")
+        checkpoint.pinned = pinned
+        await self.session.commit()
+        return await self.get(run, step)
+
+    async def quarantine(self, run: str, step: int, reason: str | None) -> CheckpointOut:
+        checkpoint = await self._checkpoint(run, step)
+        checkpoint.quarantined_at = utcnow() if reason is not None else None
+        checkpoint.quarantine_reason = reason
+        await self.session.commit()
+        return await self.get(run, step)
+
+    async def delete(self, run: str, step: int, who: str, force: bool) -> CheckpointOut:
+        from ..retention.service import enqueue_delete
+
+        checkpoint = await self._checkpoint(run, step)
+        if checkpoint.pinned:
+            raise Conflict(f"{run} step {step} is pinned; unpin it first", code="pinned")
+        if checkpoint.state == CheckpointState.DELETED:
+            return await self.get(run, step)
+        latest = await repo.latest_valid(
+            self.session, checkpoint.run_id, self.settings.durability.min_regions
+        )
+        if latest is not None and latest.id == checkpoint.id and not force:
+            raise Conflict(
+                f"{run} step {step} is the latest valid checkpoint; pass force=true to delete it",
+                code="latest_valid",
+            )
+        await enqueue_delete(self.session, checkpoint, f"deleted by {who}", force=force)
+        await self.session.commit()
+        self.r.wake_worker()
+        return await self.get(run, step)
+
+    async def lineage(self, run: str, step: int) -> LineageOut:
+        checkpoint = await self._checkpoint(run, step)
+        ancestors: list[LineageNode] = []
+        seen = {(run, step)}
+        parent = (checkpoint.parent_run, checkpoint.parent_step)
+        while parent[0] is not None and parent[1] is not None and len(ancestors) < 10_000:
+            if parent in seen:
+                break  # a cycle in user-given parents: stop, do not loop
+            seen.add((parent[0], parent[1]))
+            found = await self._find(parent[0], parent[1])
+            if found is None:
+                ancestors.append(LineageNode(run=parent[0], step=parent[1], state=None))
+                break
+            ancestors.append(self._node(parent[0], found))
+            parent = (found.parent_run, found.parent_step)
+        children = []
+        for child_run, child_step in await repo.children_of(self.session, run, step):
+            found = await self._find(child_run, child_step)
+            if found is not None:
+                children.append(self._node(child_run, found))
+        return LineageOut(
+            checkpoint=self._node(run, checkpoint), ancestors=ancestors, children=children
+        )
+
+    async def _find(self, run: str, step: int) -> Checkpoint | None:
+        run_row = await repo.find_run(self.session, run)
+        return (
+            None if run_row is None else await repo.find_checkpoint(self.session, run_row.id, step)
+        )
+
+    @staticmethod
+    def _node(run: str, checkpoint: Checkpoint) -> LineageNode:
+        return LineageNode(
+            run=run,
+            step=checkpoint.step,
+            state=checkpoint.state,
+            created_at=checkpoint.created_at,
+            metrics=checkpoint.metrics or {},
+        )
 
     # -- restore plan --------------------------------------------------------
 

@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -19,6 +20,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.sql.expression import false
 
 from .base import Base, utcnow
 
@@ -64,3 +66,10 @@ class Checkpoint(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
     durable_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # Retention never deletes a pinned checkpoint (nor the ancestors it needs).
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Marked bad by a person (e.g. training diverged from it): `latest` skips it.
+    quarantined_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    quarantine_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    deleted_reason: Mapped[str | None] = mapped_column(Text, nullable=True)

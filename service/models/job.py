@@ -17,6 +17,8 @@ class JobKind(enum.StrEnum):
     COMMIT = "commit"  # write a region's MANIFEST.json once every shard is there
     REPLICATE = "replicate"  # copy a committed checkpoint into another region (or repair one)
     VERIFY = "verify"  # re-read a region's objects and re-hash them
+    DELETE = "delete"  # remove a checkpoint from every region (manifest first)
+    EVICT = "evict"  # remove a shard's T0 copy from its node's SSD; bound to that node
 
 
 class JobState(enum.StrEnum):

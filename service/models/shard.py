@@ -36,3 +36,5 @@ class Shard(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     uploaded_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # When T0 retention removed the files from the node's SSD.
+    evicted_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)

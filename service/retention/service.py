@@ -1,0 +1,209 @@
+"""Applying retention: which checkpoints go, T0 eviction, incomplete expiry.
+
+Deletion itself is a job (``retention/jobs.py``) so it survives a crash and
+retries through region outages; this module only decides and enqueues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..checkpoints import repository as repo
+from ..config import RetentionPolicySettings
+from ..db import transaction
+from ..jobs import queue
+from ..models import Checkpoint, CheckpointState, File, JobKind, Run, Shard, utcnow
+from ..resources import Resources
+from .policies import Candidate, Plan, build_policy, plan_retention
+
+log = logging.getLogger("tierckpt.retention")
+
+# States whose objects retention may remove (a valid or once-valid copy exists).
+RETAINABLE = (CheckpointState.DURABLE, CheckpointState.REPLICATED, CheckpointState.CORRUPT)
+DELETE_MAX_ATTEMPTS = 1_000_000  # region outages only delay a deletion
+
+
+def effective_policy(run: Run, resources: Resources) -> RetentionPolicySettings:
+    if run.retention is not None:
+        return RetentionPolicySettings.model_validate(run.retention)
+    default = resources.settings.retention
+    return RetentionPolicySettings.model_validate(default.model_dump(exclude={"interval_seconds"}))
+
+
+async def protected_steps(session: AsyncSession, run: Run, min_regions: int) -> set[int]:
+    """Never deleted: the latest valid checkpoint, pinned ones, and every
+    ancestor (in this run) of a pinned one."""
+    protected: set[int] = set()
+    latest = await repo.latest_valid(session, run.id, min_regions)
+    if latest is not None:
+        protected.add(latest.step)
+    pinned = await session.scalars(
+        select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.pinned.is_(True))
+    )
+    for checkpoint in pinned:
+        protected.add(checkpoint.step)
+        parent_run, parent_step = checkpoint.parent_run, checkpoint.parent_step
+        seen = 0
+        while parent_run == run.name and parent_step is not None and seen < 100_000:
+            protected.add(parent_step)
+            parent = await repo.find_checkpoint(session, run.id, parent_step)
+            if parent is None:
+                break
+            parent_run, parent_step = parent.parent_run, parent.parent_step
+            seen += 1
+    return protected
+
+
+async def plan_for_run(session: AsyncSession, run: Run, resources: Resources) -> Plan:
+    rows = await session.scalars(
+        select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.state.in_(RETAINABLE))
+    )
+    history = [Candidate(c.step, c.created_at, dict(c.metrics or {})) for c in rows]
+    policy = build_policy(effective_policy(run, resources).model_dump())
+    protected = await protected_steps(session, run, resources.settings.durability.min_regions)
+    return plan_retention(history, policy, protected, utcnow())
+
+
+async def enqueue_delete(
+    session: AsyncSession, checkpoint: Checkpoint, reason: str, *, force: bool = False
+) -> bool:
+    return await queue.enqueue(
+        session,
+        JobKind.DELETE,
+        checkpoint.id,
+        payload={"reason": reason, "force": force},
+        max_attempts=DELETE_MAX_ATTEMPTS,
+    )
+
+
+async def apply_run(session: AsyncSession, run: Run, resources: Resources) -> list[int]:
+    plan = await plan_for_run(session, run, resources)
+    queued = []
+    for step in sorted(plan.delete):
+        checkpoint = await repo.find_checkpoint(session, run.id, step)
+        if checkpoint is not None and await enqueue_delete(session, checkpoint, plan.reason):
+            queued.append(step)
+    return queued
+
+
+async def expire_incomplete(session: AsyncSession, resources: Resources) -> int:
+    """Fail checkpoints whose missing ranks never arrived in time."""
+    hours = resources.settings.durability.incomplete_timeout_hours
+    cutoff = utcnow() - timedelta(hours=hours)
+    shard_count = (
+        select(func.count())
+        .select_from(Shard)
+        .where(Shard.checkpoint_id == Checkpoint.id)
+        .correlate(Checkpoint)
+        .scalar_subquery()
+    )
+    stale = await session.scalars(
+        select(Checkpoint)
+        .where(
+            Checkpoint.state.in_((CheckpointState.REGISTERED, CheckpointState.UPLOADING)),
+            Checkpoint.created_at < cutoff,
+            shard_count < Checkpoint.world_size,
+        )
+        .with_for_update()
+    )
+    expired = 0
+    for checkpoint in stale:
+        count = await session.scalar(
+            select(func.count()).select_from(Shard).where(Shard.checkpoint_id == checkpoint.id)
+        )
+        checkpoint.state = CheckpointState.FAILED
+        checkpoint.error = (
+            f"incomplete: only {count} of {checkpoint.world_size} ranks registered within "
+            f"{hours:g} h"
+        )
+        expired += 1
+    return expired
+
+
+def _evict_files(directory: Path, files: list[str], roots: list[Path]) -> int:
+    """Delete a shard's registered files (never anything else), then the
+    directories left empty, never leaving the configured roots."""
+    real_roots = [Path(os.path.realpath(r)) for r in roots]
+    base = Path(os.path.realpath(directory))
+    if not any(base.is_relative_to(r) and base != r for r in real_roots):
+        raise ValueError(f"{directory} is not strictly under a local root; refusing to evict")
+    removed = 0
+    for relative in files:
+        path = base / relative
+        if not Path(os.path.realpath(path.parent)).is_relative_to(base):
+            continue  # a parent turned into a link out of the shard: leave it
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    for dirpath, _dirs, _files in sorted(os.walk(base, topdown=False), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(dirpath)  # only succeeds when empty
+        except OSError:
+            pass
+    return removed
+
+
+async def evict_local_copies(resources: Resources) -> int:
+    """T0: on this node, remove local copies that are durable elsewhere (or
+    deleted) beyond ``[local].keep_last`` newest per run."""
+    settings = resources.settings
+    keep = settings.local.keep_last
+    node = settings.server.node
+    async with transaction(resources.sessionmaker) as session:
+        rows = (
+            await session.execute(
+                select(Shard, Checkpoint.run_id, Checkpoint.step, Checkpoint.state)
+                .join(Checkpoint, Checkpoint.id == Shard.checkpoint_id)
+                .where(Shard.node == node, Shard.evicted_at.is_(None))
+                .order_by(Checkpoint.run_id, Checkpoint.step.desc())
+            )
+        ).all()
+        per_run: dict[int, int] = {}
+        victims: list[tuple[Shard, list[str]]] = []
+        for shard, run_id, _step, state in rows:
+            rank_in_run = per_run.get(run_id, 0)
+            per_run[run_id] = rank_in_run + 1
+            if rank_in_run < keep:
+                continue
+            if state not in (
+                CheckpointState.DURABLE,
+                CheckpointState.REPLICATED,
+                CheckpointState.DELETED,
+            ):
+                continue  # not safe anywhere else yet (or failed: keep for a person)
+            names = list(await session.scalars(select(File.path).where(File.shard_id == shard.id)))
+            victims.append((shard, names))
+    evicted = 0
+    for shard, names in victims:
+        try:
+            await asyncio.to_thread(_evict_files, Path(shard.path), names, settings.local.roots)
+        except (OSError, ValueError) as exc:
+            log.warning("T0 eviction of %s failed: %s", shard.path, exc)
+            continue
+        async with transaction(resources.sessionmaker) as session:
+            await session.execute(
+                update(Shard).where(Shard.id == shard.id).values(evicted_at=utcnow())
+            )
+        evicted += 1
+    return evicted
+
+
+async def apply_all(resources: Resources) -> dict[str, int]:
+    """One retention pass over every run (the sweeper's tick)."""
+    deleted = 0
+    async with transaction(resources.sessionmaker) as session:
+        expired = await expire_incomplete(session, resources)
+        runs = list(await session.scalars(select(Run)))
+        for run in runs:
+            deleted += len(await apply_run(session, run, resources))
+    evicted = await evict_local_copies(resources)
+    return {"expired": expired, "delete_queued": deleted, "evicted": evicted}
