@@ -16,9 +16,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import cpu, register_latency, restore, two_regions, upload
+from . import cpu, register_latency, registration_rate, restore, two_regions, upload
 
-SCENARIOS: list[ModuleType] = [upload, cpu, restore, register_latency, two_regions]
+SCENARIOS: list[ModuleType] = [
+    upload,
+    cpu,
+    restore,
+    register_latency,
+    two_regions,
+    registration_rate,
+]
 
 
 def by_name() -> dict[str, ModuleType]:
