@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from .advice.routes import router as advice_router
 from .checkpoints.routes import router as checkpoints_router
 from .config import Settings
 from .db import create_engine, create_sessionmaker
@@ -102,4 +103,5 @@ def create_app(settings: Settings, *, start_worker: bool = True) -> FastAPI:
     app.include_router(runs_router)
     app.include_router(retention_router)
     app.include_router(regions_router)
+    app.include_router(advice_router)
     return app

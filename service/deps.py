@@ -32,7 +32,9 @@ async def get_session(resources: ResourcesDep) -> AsyncIterator[AsyncSession]:
             raise
 
 
-SessionDep = Annotated[AsyncSession, Depends(get_session)]
+# scope="function": the commit runs before the answer is sent, so a commit
+# that fails (catalog gone) is the answer (503), never a 2xx for lost work.
+SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
 
 
 def get_principal(

@@ -16,10 +16,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .config import TokenSettings
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodySizeLimit:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -36,27 +32,38 @@ class BodySizeLimit:
             return
         seen = 0
         started = False
+        rejected = False
 
+        # A body without Content-Length (chunked) is counted as it arrives.
+        # Past the limit the 413 is sent from here and the application sees
+        # a disconnect; whatever it answers to that is dropped (raising into
+        # it instead would come back as its own "cannot parse the body" 400).
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
+                if seen > self.max_bytes and not started:
+                    rejected = True
+                    await self._reject(send)
+                    return {"type": "http.disconnect"}
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
+            if rejected:
+                return
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._reject(send)
+        except Exception:
+            if not rejected:
+                raise
 
     async def _reject(self, send: Send) -> None:
         await send_json_error(

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-
 revision: str = "2026_11_22_0002"
 down_revision: str | None = "2026_11_22_0001"
 branch_labels: str | Sequence[str] | None = None

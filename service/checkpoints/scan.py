@@ -30,6 +30,7 @@ class ScannedFile:
 class ScannedShard:
     directory: Path
     files: list[ScannedFile]
+    is_directory: bool = True
 
     @property
     def total_bytes(self) -> int:
@@ -93,6 +94,7 @@ def scan(path: str, roots: list[Path], *, max_files: int, max_path_length: int) 
         return ScannedShard(
             directory=resolved.parent,
             files=[ScannedFile(resolved.name, info.st_size, info.st_mtime_ns)],
+            is_directory=False,
         )
     if not stat.S_ISDIR(info.st_mode):
         raise BadInput(f"path {path} is not a regular file or directory", code="special_file")

@@ -172,6 +172,7 @@ class CheckpointService:
             rank=request.rank,
             node=self.settings.server.node,
             path=str(scanned.directory),
+            is_directory=scanned.is_directory,
             fingerprint=print_,
         )
         session.add(shard)

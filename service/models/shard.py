@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-from sqlalchemy import DateTime, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import Boolean, DateTime, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.sql.expression import true
 
 from .base import Base, utcnow
 
@@ -29,6 +30,9 @@ class Shard(Base):
     rank: Mapped[int] = mapped_column(Integer)
     node: Mapped[str] = mapped_column(String(255))
     path: Mapped[str] = mapped_column(Text)
+    # True when a directory was registered (its files are all the checkpoint);
+    # False for a single file, whose directory belongs to the trainer.
+    is_directory: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     state: Mapped[str] = mapped_column(String(16), default=ShardState.REGISTERED)
     # SHA-256 over the registered file list (path, size, mtime, client hash):
     # decides whether a repeated registration is the same content (200) or not (409).

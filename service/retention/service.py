@@ -127,14 +127,19 @@ async def expire_incomplete(session: AsyncSession, resources: Resources) -> int:
     return expired
 
 
-def _evict_files(directory: Path, files: list[str], roots: list[Path]) -> int:
-    """Delete a shard's registered files (never anything else), then the
-    directories left empty, never leaving the configured roots."""
+def _evict_files(
+    directory: Path, files: list[str], roots: list[Path], whole_directory: bool
+) -> int:
+    """Delete a shard's registered files (never anything else) and the
+    directories they leave empty, never leaving the shard's directory; that
+    directory itself goes only when a whole directory was registered (a single
+    file's directory belongs to the trainer)."""
     real_roots = [Path(os.path.realpath(r)) for r in roots]
     base = Path(os.path.realpath(directory))
     if not any(base.is_relative_to(r) and base != r for r in real_roots):
         raise ValueError(f"{directory} is not strictly under a local root; refusing to evict")
     removed = 0
+    emptied: set[Path] = set()
     for relative in files:
         path = base / relative
         if not Path(os.path.realpath(path.parent)).is_relative_to(base):
@@ -144,9 +149,15 @@ def _evict_files(directory: Path, files: list[str], roots: list[Path]) -> int:
             removed += 1
         except FileNotFoundError:
             pass
-    for dirpath, _dirs, _files in sorted(os.walk(base, topdown=False), key=lambda w: -len(w[0])):
+        parent = path.parent
+        while parent != base and parent.is_relative_to(base):
+            emptied.add(parent)
+            parent = parent.parent
+    if whole_directory:
+        emptied.add(base)
+    for folder in sorted(emptied, key=lambda p: len(p.parts), reverse=True):
         try:
-            os.rmdir(dirpath)  # only succeeds when empty
+            folder.rmdir()  # only succeeds when empty
         except OSError:
             pass
     return removed
@@ -185,7 +196,9 @@ async def evict_local_copies(resources: Resources) -> int:
     evicted = 0
     for shard, names in victims:
         try:
-            await asyncio.to_thread(_evict_files, Path(shard.path), names, settings.local.roots)
+            await asyncio.to_thread(
+                _evict_files, Path(shard.path), names, settings.local.roots, shard.is_directory
+            )
         except (OSError, ValueError) as exc:
             log.warning("T0 eviction of %s failed: %s", shard.path, exc)
             continue

@@ -141,3 +141,17 @@ async def test_missing_ranks_expire_and_never_shadow_an_older_checkpoint(
         detail = (await agent.http.get("/v1/runs/r/checkpoints/2")).json()
         assert detail["state"] == "failed" and "only 1 of 4 ranks" in detail["error"]
         assert (await agent.http.get("/v1/runs/r/latest")).json()["step"] == 1
+
+
+async def test_eviction_of_a_single_file_checkpoint_keeps_the_trainers_directory(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, local={"keep_last": 0}) as agent:
+        out = agent.ssd / "trainer-out"
+        (out / "logs").mkdir(parents=True)
+        model = write_checkpoint(out, {"model-1.pt": b"w"}) / "model-1.pt"
+        assert (await agent.register("r", 1, model)).status_code == 202
+        await agent.wait_state("r", 1)
+        assert await evict_local_copies(agent.resources) == 1
+        assert not model.exists()
+        assert out.is_dir() and (out / "logs").is_dir()  # not the checkpoint's to remove
