@@ -5,15 +5,33 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo serve test test-unit lint migrate bench clean
+.PHONY: install browser demo serve test test-unit chaos lint migrate bench clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
+	# PyTorch (CPU build) for the trainer helpers, their tests and `make demo`.
+	$(BIN)/pip install -q torch==2.13.0 safetensors numpy
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The dashboard test drives Debian's chromium through Playwright (whose own
+# browser download is not used). As root (CI) it is installed when missing;
+# otherwise that test skips with the reason (and fails when CI is set).
+CHROMIUM ?= /usr/bin/chromium
+browser:
+	@if [ ! -x "$(CHROMIUM)" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    if ! apt-cache policy chromium 2>/dev/null | grep -q 'Candidate: [0-9]'; then \
+	      apt-get update -qq; \
+	    fi; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	  else \
+	    echo "note: $(CHROMIUM) is missing and this is not root: the browser test will skip"; \
+	  fi; \
+	fi
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
@@ -21,11 +39,19 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/tierckpt serve $(if $(CONFIG),--config $(CONFIG))
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+# The chaos test, long form (`make test` runs it short, TIERCKPT_CHAOS_SECONDS=20):
+# SIGKILLs, a region stopped and started, corrupted objects, under load; prints
+# the figures (kills, outages, corruptions, losses). CHAOS_SECONDS=600 for more.
+CHAOS_SECONDS ?= 300
+chaos: $(STAMP)
+	TIERCKPT_CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m pytest -q -m chaos \
+	  -o timeout=$$(( $(CHAOS_SECONDS) + 900 )) tests/e2e/test_chaos.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check service client migrations tests benchmarks examples

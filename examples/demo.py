@@ -2,16 +2,21 @@
 
 Everything runs for real on this machine, in a temporary work directory:
 two SeaweedFS S3 servers (regions east and west), the tierckpt agent (`tierckpt serve`,
-SQLite catalog), and examples/train_loop.py as the trainer. The demo
+SQLite catalog), and examples/torch_train.py, a plain PyTorch loop (MLP, AdamW,
+cosine schedule, dropout, shuffled DataLoader; CPU, deterministic) as the
+trainer. The demo
 
 1. starts SeaweedFS and the agent, and waits until the agent is ready;
-2. runs the trainer, which checkpoints every few steps, and SIGKILLs it once
-   some checkpoints are registered (a node failure: no goodbye);
+2. runs the trainer, which checkpoints its whole state (model, optimizer,
+   scheduler, data-loader position, every RNG) every few steps, and SIGKILLs
+   it once some checkpoints are registered (a node failure: no goodbye);
 3. shows the checkpoints' states and waits until the newest is durable;
-4. restarts the trainer with --resume: it asks the agent for the latest
-   valid checkpoint, restores a verified copy and continues;
+4. restarts the trainer: it asks the agent for the latest valid checkpoint,
+   loads it (from this node's T0 copy, still verified by the agent, or a
+   verified download from a region) and continues;
 5. checks that the final weights equal an uninterrupted reference run
-   bit for bit, and prints a summary.
+   bit for bit, and prints a summary with the checkpoint interval advice
+   (Young/Daly) for the costs this run showed.
 
 Whatever happens, it stops everything it started. Exit code 0 on success;
 non-zero with a message (and the logs' tails) on failure. `--keep` keeps the
@@ -39,14 +44,17 @@ from typing import IO, Any
 import httpx
 
 from tierckpt.client import CheckpointClient
+from tierckpt.client.models import Advice
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the SeaweedFS launcher lives with the tests
 
 from tests.support.seaweed import SeaweedServer  # noqa: E402
 
-TRAIN_LOOP = REPO / "examples" / "train_loop.py"
-RUN = "demo-logreg"
+TRAINER = REPO / "examples" / "torch_train.py"
+RUN = "demo-torch"
+NODE = "demo-node"
+MTBF_HOURS = 12.0
 BUCKET = "checkpoints"
 
 
@@ -83,7 +91,7 @@ def write_config(work: Path, port: int, seaweed: SeaweedServer, west: SeaweedSer
 [server]
 host = "127.0.0.1"
 port = {port}
-node = "demo-node"
+node = "{NODE}"
 
 [catalog]
 url = "sqlite+aiosqlite:///{work / "catalog.db"}"
@@ -144,7 +152,7 @@ class Process:
             self._reader.start()
 
     def _read_events(self, stream: IO[bytes]) -> None:
-        # One JSON object per line (train_loop.py's protocol); copy to the log too.
+        # One JSON object per line (torch_train.py's protocol); copy to the log too.
         for raw in stream:
             self._log.write(raw)
             self._log.flush()
@@ -197,7 +205,7 @@ def wait_ready(agent: Process, url: str, timeout: float = 90.0) -> float:
 def trainer_argv(url: str, root: Path, args: argparse.Namespace, *extra: str) -> list[str]:
     return [
         sys.executable,
-        str(TRAIN_LOOP),
+        str(TRAINER),
         "--server",
         url,
         "--run",
@@ -208,6 +216,8 @@ def trainer_argv(url: str, root: Path, args: argparse.Namespace, *extra: str) ->
         str(args.steps),
         "--every",
         str(args.every),
+        "--node",
+        NODE,
         *extra,
     ]
 
@@ -229,8 +239,8 @@ def first_life(url: str, work: Path, args: argparse.Namespace) -> list[dict[str,
             if event["event"] == "checkpoint":
                 checkpoints.append(event)
                 say(
-                    f"trainer wrote step {event['step']} (loss {event['loss']:.4f}), "
-                    f"registered ({event['state']})"
+                    f"trainer saved step {event['step']} (loss {event['loss']:.4f}) in "
+                    f"{event['stall_seconds'] * 1000:.0f} ms, registered ({event['state']})"
                 )
         trainer.kill()
         say(f"SIGKILL trainer after step {checkpoints[-1]['step']}: the node is gone")
@@ -239,14 +249,15 @@ def first_life(url: str, work: Path, args: argparse.Namespace) -> list[dict[str,
     return checkpoints
 
 
-def second_life(url: str, work: Path, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+def second_life(url: str, work: Path, args: argparse.Namespace) -> tuple[int, str, dict[str, Any]]:
     trainer = Process(
         "trainer",
-        trainer_argv(url, work / "ssd", args, "--resume", "--final-out", str(work / "final.json")),
+        trainer_argv(url, work / "ssd", args, "--final-out", str(work / "final.safetensors")),
         work / "trainer-2.log",
         pipe_stdout=True,
     )
     resumed: int | None = None
+    source = "?"
     try:
         while True:
             event = trainer.next_event(timeout=120)
@@ -254,8 +265,13 @@ def second_life(url: str, work: Path, args: argparse.Namespace) -> tuple[int, di
                 raise DemoError("the resumed trainer exited before finishing (log below)")
             if event["event"] == "resumed":
                 resumed = int(event["step"])
+                source = (
+                    "this node's T0 copy (local SSD)"
+                    if event["source"] == "local"
+                    else f"region {event['region']} (verified download)"
+                )
                 say(
-                    f"trainer resumed from step {resumed}: restored and verified in "
+                    f"trainer resumed from step {resumed}: loaded from {source} in "
                     f"{event['seconds']} s (committed in {', '.join(event['regions'])})"
                 )
             elif event["event"] == "fresh":
@@ -267,19 +283,38 @@ def second_life(url: str, work: Path, args: argparse.Namespace) -> tuple[int, di
                     raise DemoError("the trainer finished without resuming")
                 if trainer.proc.wait(timeout=30) != 0:
                     raise DemoError(f"resumed trainer exited with {trainer.proc.returncode}")
-                return resumed, event
+                return resumed, source, event
     finally:
         trainer.stop()
 
 
 def reference_hash(work: Path, args: argparse.Namespace) -> str:
     """The same training without interruption and without the agent."""
-    out = work / "reference.json"
     argv = trainer_argv("http://unused", work / "reference", args, "--no-register")
-    subprocess.run(
-        [*argv, "--final-out", str(out)], check=True, stdout=subprocess.DEVNULL, timeout=300
-    )
-    return str(json.loads(out.read_text())["sha256"])
+    done = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300)
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return str(events[-1]["sha256"])
+
+
+def advice_rows(advice: Advice) -> list[tuple[str, str]]:
+    """Checkpoint interval advice for the costs this run showed (GET …/advice)."""
+
+    def minutes(seconds: float) -> str:
+        return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
+
+    rows = []
+    for scenario in advice.scenarios:
+        name = {"write": "local write", "upload": "blocking upload"}[scenario.basis]
+        rows.append(
+            (
+                f"advice, C = {name}",
+                f"C {scenario.cost_seconds * 1000:.0f} ms, MTBF {advice.mtbf_hours:g} h: every "
+                f"{minutes(scenario.young.interval_seconds)} (Young), "
+                f"{minutes(scenario.daly.interval_seconds)} (Daly), "
+                f"{scenario.daly.waste_fraction:.2%} lost",
+            )
+        )
+    return rows
 
 
 def print_states(client: CheckpointClient, title: str) -> list[Any]:
@@ -353,7 +388,7 @@ class Demo:
         say(f"latest valid checkpoint of {RUN}: step {latest.step}")
 
         self.logs.append(("trainer (resumed)", work / "trainer-2.log"))
-        resumed, done = second_life(url, work, args)
+        resumed, source, done = second_life(url, work, args)
         if resumed != newest:
             raise DemoError(f"trainer resumed from step {resumed}, expected {newest}")
         last = (args.steps // args.every) * args.every
@@ -367,6 +402,7 @@ class Demo:
         states = print_states(client, "checkpoints at the end:")
         reference = reference_hash(work, args)
         identical = reference == done["sha256"]
+        advice = client.advice(RUN, MTBF_HOURS)
 
         print(flush=True)
         say("summary")
@@ -375,9 +411,10 @@ class Demo:
             ("checkpoints", f"{len(states)} (every {args.every} steps)"),
             ("states", ", ".join(sorted({c.state for c in states}))),
             ("crashed after step", f"{newest} (SIGKILL)"),
-            ("restored step", f"{resumed}"),
+            ("restored step", f"{resumed}, from {source}"),
             ("final loss", f"{done['loss']:.6f}"),
             ("bit-exact vs uninterrupted", "yes" if identical else "NO"),
+            *advice_rows(advice),
             ("wall time", f"{time.monotonic() - began:.1f} s"),
         ]
         for name, value in rows:

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import cpu, register_latency, registration_rate, restore, two_regions, upload
+from . import (
+    cpu,
+    register_latency,
+    registration_rate,
+    restore,
+    trainer_stall,
+    two_regions,
+    upload,
+)
 
 SCENARIOS: list[ModuleType] = [
     upload,
@@ -25,6 +33,7 @@ SCENARIOS: list[ModuleType] = [
     register_latency,
     two_regions,
     registration_rate,
+    trainer_stall,
 ]
 
 

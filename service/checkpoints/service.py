@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from urllib.parse import quote
 
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -21,12 +21,15 @@ from ..models import (
     Checkpoint,
     CheckpointState,
     File,
+    Job,
     JobKind,
+    JobState,
     Replica,
     ReplicaState,
     Shard,
     utcnow,
 )
+from ..observability import metrics
 from ..resources import Resources
 from ..storage import layout
 from . import repository as repo
@@ -98,6 +101,7 @@ class CheckpointService:
         await self.session.commit()
         if created:
             self.r.wake_worker()
+            metrics.observe_registration(request.priority)
         checkpoint = await self._checkpoint(request.run, request.step)
         return await self.describe(request.run, checkpoint, with_files=False), created
 
@@ -156,6 +160,15 @@ class CheckpointService:
         )
         if existing is not None:
             if existing.fingerprint == print_:
+                if request.priority == "urgent" and checkpoint.priority != "urgent":
+                    # A preemption notice on a step already queued: promote it
+                    # (and its queued work) instead of leaving it behind others.
+                    checkpoint.priority = "urgent"
+                    await session.execute(
+                        update(Job)
+                        .where(Job.checkpoint_id == checkpoint.id, Job.state == JobState.QUEUED)
+                        .values(priority=PRIORITY["urgent"])
+                    )
                 return False
             raise Conflict(
                 f"{request.run} step {request.step} rank {request.rank} is already registered "
@@ -542,4 +555,6 @@ class CheckpointService:
                     )
                 )
             sources.append(PlanSource(region=name, files=plan_files))
+        if sources:
+            metrics.observe_restore_plan(sources[0].region, sum(f.size for f in sources[0].files))
         return RestorePlan(run=run, step=step, world_size=checkpoint.world_size, sources=sources)

@@ -213,3 +213,19 @@ async def test_listing_and_health(catalog_url: str, tmp_path: Path) -> None:
         assert (
             missing.status_code == 404 and missing.json()["error"]["code"] == "checkpoint_not_found"
         )
+
+
+async def test_urgent_reregistration_promotes_queued_work(catalog_url: str, tmp_path: Path) -> None:
+    from sqlalchemy import select
+
+    from tierckpt.service.db import transaction
+    from tierckpt.service.models import Job
+
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        ckpt = write_checkpoint(agent.ssd / "r" / "s1", {"w": b"1"})
+        assert (await agent.register("r", 1, ckpt)).status_code == 202
+        again = await agent.register("r", 1, ckpt, priority="urgent")
+        assert again.status_code == 200 and again.json()["priority"] == "urgent"
+        async with transaction(agent.resources.sessionmaker) as session:
+            priorities = list(await session.scalars(select(Job.priority)))
+        assert priorities == [100]
