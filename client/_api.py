@@ -21,6 +21,7 @@ from .errors import CheckpointFailedError, ServerError, error_from_response
 from .models import (
     FAILED_STATES,
     STATE_ORDER,
+    Advice,
     Checkpoint,
     CheckpointRef,
     Lineage,
@@ -77,6 +78,23 @@ def lineage(run: str, step: int) -> Call[Lineage]:
         f"/v1/runs/{_seg(run)}/checkpoints/{_seg(step)}/lineage",
         Lineage.model_validate,
     )
+
+
+def advice(
+    run: str,
+    mtbf_hours: float,
+    *,
+    cost_seconds: float | None = None,
+    restart_seconds: float | None = None,
+    window: int | None = None,
+) -> Call[Advice]:
+    params = _query(
+        mtbf_hours=mtbf_hours,
+        cost_seconds=cost_seconds,
+        restart_seconds=restart_seconds,
+        window=window,
+    )
+    return Call("GET", f"/v1/runs/{_seg(run)}/advice", Advice.model_validate, params=params)
 
 
 def _parent(parent: ParentLike, run: str) -> dict[str, Any] | None:

@@ -6,8 +6,10 @@ Machine output (``--json``) does not come through here.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 from rich.console import Console, Group
 from rich.filesize import decimal
@@ -146,14 +148,104 @@ def latest_table(checkpoint: Checkpoint) -> Table:
     return table
 
 
-def runs_table(runs: list[RunSummary]) -> Table:
+def age(value: datetime | None, now: datetime | None = None) -> str:
+    """``3m 12s`` since ``value``."""
+    if value is None:
+        return "-"
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    seconds = max(0, int(((now or datetime.now(UTC)) - value).total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d {seconds % 86400 // 3600:02d}h"
+
+
+def runs_table(runs: list[RunSummary], now: datetime | None = None) -> Table:
+    """One row per run; per region, the step a restart there would get and how
+    old it is (the recovery point in that region)."""
+    regions: dict[str, None] = {}
+    for run in runs:
+        for point in run.regions:
+            regions.setdefault(point.region)
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("run", "checkpoints", "latest", "created"):
-        table.add_column(column, justify="right" if column in ("checkpoints", "latest") else "left")
+    for column in ("run", "checkpoints", "latest", "valid", "recovery point"):
+        numeric = column in ("checkpoints", "latest", "valid")
+        table.add_column(column, justify="right" if numeric else "left")
+    for region in regions:
+        table.add_column(region)
+    table.add_column("created")
     for run in runs:
         latest = "-" if run.latest_step is None else str(run.latest_step)
-        table.add_row(run.run, str(run.checkpoints), latest, when(run.created_at))
+        points = {point.region: point for point in run.regions}
+        best = max(run.regions, key=lambda p: p.step, default=None)
+        cells = []
+        for region in regions:
+            found = points.get(region)
+            cells.append(
+                Text("none", style="red")
+                if found is None
+                else Text(f"{found.step} ({age(found.created_at, now)})", style="green")
+            )
+        table.add_row(
+            run.run,
+            str(run.checkpoints),
+            latest,
+            "-" if best is None else str(best.step),
+            Text("no valid checkpoint", style="red")
+            if best is None
+            else Text(age(best.created_at, now)),
+            *cells,
+            when(run.created_at),
+        )
     return table
+
+
+def progress_line(checkpoint: Checkpoint) -> Text:
+    """``llama:1200 uploading · us-east pending · us-west pending``."""
+    text = Text(f"{checkpoint.run}:{checkpoint.step} ")
+    text.append_text(state(checkpoint.state))
+    for replica in checkpoint.replicas:
+        text.append(f" · {replica.region} ")
+        text.append_text(state(replica.state))
+    return text
+
+
+class WaitProgress:
+    """Progress of ``register --wait``: a spinner with the current state and
+    every region's copy, and one printed line per state transition."""
+
+    def __init__(self, status: Any | None, out: Console) -> None:
+        self._status = status
+        self._console = out
+        self._last: str | None = None
+        self._started = time.monotonic()
+
+    def __call__(self, checkpoint: Checkpoint) -> None:
+        if self._status is None:
+            return
+        elapsed = time.monotonic() - self._started
+        if checkpoint.state != self._last:
+            self._last = checkpoint.state
+            line = Text(f"  {elapsed:6.1f}s  ")
+            line.append_text(state(checkpoint.state))
+            self._console.print(line)
+        waiting = progress_line(checkpoint)
+        waiting.append(f"  ({elapsed:.0f}s)", style="dim")
+        self._status.update(waiting)
+
+
+@contextlib.contextmanager
+def wait_progress(label: str, show: bool) -> Iterator[WaitProgress]:
+    if not show:
+        yield WaitProgress(None, console())
+        return
+    out = console()
+    with out.status(f"{label} waiting until durable", spinner="dots") as status:
+        yield WaitProgress(status, out)
 
 
 class TransferMeter:

@@ -15,7 +15,7 @@ from . import _api
 from ._api import DEFAULT_URL, USER_AGENT, Call, FilesLike, ParentLike
 from ._download import TransferOptions
 from .errors import NotFoundError, error_from_transport
-from .models import Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
+from .models import Advice, Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
 from .restore import Progress, check_destination, restore_from_plan
 
 T = TypeVar("T")
@@ -217,3 +217,22 @@ class AsyncCheckpointClient:
     async def lineage(self, run: str, step: int) -> Lineage:
         """Ancestors (across runs, parent first) and direct children."""
         return await self._send(_api.lineage(run, step))
+
+    async def advice(
+        self,
+        run: str,
+        mtbf_hours: float,
+        cost_seconds: float | None = None,
+        restart_seconds: float | None = None,
+        window: int | None = None,
+    ) -> Advice:
+        """Checkpoint interval advice (Young, Daly) from the run's observed
+        write and upload times; ``cost_seconds`` overrides the observed cost."""
+        call = _api.advice(
+            run,
+            mtbf_hours,
+            cost_seconds=cost_seconds,
+            restart_seconds=restart_seconds,
+            window=window,
+        )
+        return await self._send(call)

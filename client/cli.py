@@ -14,12 +14,13 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic_core import to_jsonable_python
 
-from . import _render
+from . import _api, _render
 from ._api import DEFAULT_URL
 from .errors import (
     BadRequestError,
@@ -27,6 +28,7 @@ from .errors import (
     NotFoundError,
     TierckptError,
 )
+from .models import Checkpoint
 from .sync_client import CheckpointClient
 
 OK, NOT_FOUND, BAD_INPUT, SERVER_ERROR, CORRUPT = 0, 1, 2, 3, 4
@@ -74,6 +76,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0: {text}")
     return value
 
 
@@ -184,6 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("run")
     sub.add_argument("step", type=_non_negative)
 
+    sub = command("advise", _advise, "checkpoint interval advice (Young, Daly) from observed costs")
+    sub.add_argument("run")
+    sub.add_argument(
+        "--mtbf-hours",
+        type=_positive_number,
+        required=True,
+        metavar="H",
+        help="mean time between failures",
+    )
+    sub.add_argument(
+        "--cost-seconds",
+        type=_positive_number,
+        metavar="S",
+        help="use this checkpoint cost instead of the observed ones",
+    )
+    sub.add_argument(
+        "--restart-seconds", type=_seconds, metavar="S", help="time to restart after a failure"
+    )
+
     sub = command("verify", _verify, "re-read and re-hash every region's copy of a checkpoint")
     sub.add_argument("run")
     sub.add_argument("step", type=_non_negative)
@@ -248,6 +279,52 @@ def _lineage(args: argparse.Namespace) -> int:
     return OK
 
 
+def _advise(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        advice = client.advice(
+            args.run,
+            args.mtbf_hours,
+            cost_seconds=args.cost_seconds,
+            restart_seconds=args.restart_seconds,
+        )
+    if args.json:
+        _emit_json(advice)
+        return OK
+    from rich.table import Table
+
+    def duration(seconds: float) -> str:
+        if seconds >= 3600:
+            return f"{seconds / 3600:.2f} h"
+        return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.2f} s"
+
+    table = Table(
+        title=f"{advice.run}: checkpoint interval for MTBF {advice.mtbf_hours:g} h",
+        caption="interval = compute time between checkpoints; lost = expected share of wall time",
+    )
+    for column in ("cost basis", "C", "Young", "Daly", "current"):
+        table.add_column(column, justify="left" if column == "cost basis" else "right")
+    for scenario in advice.scenarios:
+        cells = []
+        for value in (scenario.young, scenario.daly, scenario.current):
+            if value is None:
+                cells.append("-")
+                continue
+            steps = f", {value.every_steps} steps" if value.every_steps else ""
+            cells.append(
+                f"{duration(value.interval_seconds)}{steps}\nlost {value.waste_fraction:.2%}"
+            )
+        table.add_row(scenario.basis, duration(scenario.cost_seconds), *cells)
+    _render.console().print(table)
+    observed = advice.observed
+    _render.console().print(
+        f"observed over {observed.checkpoints} checkpoints: write "
+        f"{observed.write_seconds.median_seconds or 0:.2f} s (n={observed.write_seconds.samples}),"
+        f" upload {observed.upload_seconds.median_seconds or 0:.2f} s "
+        f"(n={observed.upload_seconds.samples})"
+    )
+    return OK
+
+
 def _verify(args: argparse.Namespace) -> int:
     with _client(args) as client:
         checkpoint = client.verify(args.run, args.step, timeout=args.timeout)
@@ -281,7 +358,9 @@ def _register(args: argparse.Namespace) -> int:
                 sep="",
             )
         if args.wait or args.timeout is not None:
-            checkpoint = client.wait(args.run, args.step, state="durable", timeout=args.timeout)
+            show = not args.json and sys.stdout.isatty()
+            with _render.wait_progress(f"{args.run}:{args.step}", show) as progress:
+                checkpoint = _wait_durable(client, args.run, args.step, args.timeout, progress)
             if not args.json:
                 _render.console().print(
                     f"{checkpoint.run}:{checkpoint.step} is ",
@@ -291,6 +370,28 @@ def _register(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json(checkpoint)
     return OK
+
+
+def _wait_durable(
+    client: CheckpointClient,
+    run: str,
+    step: int,
+    timeout: float | None,
+    on_poll: Callable[[Checkpoint], None],
+    poll_interval: float = 0.2,
+) -> Checkpoint:
+    """``client.wait(..., state="durable")``, showing every poll to ``on_poll``."""
+    target = _api.check_wait_target("durable")
+    deadline = _api.wait_deadline(timeout)
+    while True:
+        checkpoint = client.get(run, step)
+        on_poll(checkpoint)
+        if _api.wait_reached(checkpoint, target):
+            return checkpoint
+        delay = _api.next_poll_delay(deadline, poll_interval)
+        if delay is None:
+            raise _api.wait_timeout_error(run, step, "durable", checkpoint, timeout)
+        time.sleep(delay)
 
 
 def _latest(args: argparse.Namespace) -> int:

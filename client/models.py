@@ -128,11 +128,25 @@ class Checkpoint(_Model):
         return CheckpointRef(run=self.run, step=self.step)
 
 
+class RunRegion(_Model):
+    """The newest valid checkpoint of a run committed in one region."""
+
+    region: str
+    step: int
+    created_at: datetime | None = None
+
+
 class RunSummary(_Model):
     run: str
     checkpoints: int = 0
     latest_step: int | None = None
     created_at: datetime | None = None
+    regions: list[RunRegion] = Field(default_factory=list)
+
+    @field_validator("regions", mode="before")
+    @classmethod
+    def _regions(cls, value: Any) -> Any:
+        return _null_as_empty(value, [])
 
 
 class PlanFile(_Model):
@@ -170,3 +184,47 @@ class Lineage(_Model):
     checkpoint: LineageNode
     ancestors: list[LineageNode] = Field(default_factory=list)  # parent first
     children: list[LineageNode] = Field(default_factory=list)
+
+
+class AdviceSample(_Model):
+    median_seconds: float | None = None
+    samples: int = 0
+
+
+class AdviceObserved(_Model):
+    checkpoints: int = 0
+    write_seconds: AdviceSample = Field(default_factory=AdviceSample)
+    upload_seconds: AdviceSample = Field(default_factory=AdviceSample)
+    interval_seconds: AdviceSample = Field(default_factory=AdviceSample)
+    compute_seconds: AdviceSample = Field(default_factory=AdviceSample)
+    steps_per_second: float | None = None
+
+
+class AdviceInterval(_Model):
+    interval_seconds: float
+    interval_hours: float
+    every_steps: int | None = None
+    waste_fraction: float
+
+
+class AdviceScenario(_Model):
+    """One checkpoint cost (``write``, ``upload`` or ``override``) and the
+    intervals it leads to; ``current`` is the run's observed interval."""
+
+    basis: str
+    description: str = ""
+    cost_seconds: float
+    young: AdviceInterval
+    daly: AdviceInterval
+    current: AdviceInterval | None = None
+
+
+class Advice(_Model):
+    """Answer of ``GET /v1/runs/{run}/advice``."""
+
+    run: str
+    mtbf_hours: float
+    restart_seconds: float = 0.0
+    window: int = 0
+    observed: AdviceObserved = Field(default_factory=AdviceObserved)
+    scenarios: list[AdviceScenario] = Field(default_factory=list)

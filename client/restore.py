@@ -102,6 +102,47 @@ def _check_destination(path: Path) -> None:
             )
 
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_free_space(target: Path, sizes: list[int], name: str) -> None:
+    """Refuse a restore the destination's filesystem cannot hold (data blocks
+    only; a filesystem that cannot say is not checked)."""
+    where = _existing_ancestor(target.parent)
+    try:
+        info = os.statvfs(where)
+    except OSError:
+        return
+    block = info.f_frsize or 4096
+    needed = sum(-(-size // block) * block for size in sizes)
+    free = info.f_bavail * block
+    if needed > free:
+        raise DestinationError(
+            f"not enough space to restore {name}: it needs {needed} bytes, {where} has {free} "
+            "free; free some space or restore elsewhere",
+            code="no_space",
+        )
+
+
+def _local_error(exc: OSError, doing: str) -> RestoreError:
+    """A local write failure as the client's error; the caller has not left
+    anything behind (the staging directory goes in the finally)."""
+    if exc.errno in NO_SPACE:
+        # Raced the free-space check (or quota): the user's disk, not the service.
+        return DestinationError(
+            f"{doing} failed: no space left on the device ({exc.strerror}); free some space "
+            "or restore elsewhere",
+            code="no_space",
+        )
+    return RestoreError(f"{doing} failed: {exc}", code="local_io_error")
+
+
 def _default_dir_mode() -> int:
     # mkdtemp makes 0700 directories; the restored one should look like any
     # directory the user creates. Reading the umask via os.umask would race
@@ -246,6 +287,8 @@ async def restore_from_plan(
         raise RestoreError(f"no region holds a committed copy of {name}", code="no_source")
     # Refuse a bad plan before writing a single byte.
     layouts = [plan_layout(source.files, rank) for source in plan.sources]
+    # ...and a destination that cannot hold it: better now than at 90 %.
+    await in_thread(check_free_space, target, [f.size for f, _ in layouts[0]], name)
 
     try:
         staging, created_parents = _make_staging(target)
@@ -279,18 +322,15 @@ async def restore_from_plan(
                 log.warning("restore of %s from %s failed (%s)%s", name, source.region, exc, then)
                 continue
             except OSError as exc:
-                raise RestoreError(
-                    f"writing the restore of {name} under {target.parent} failed: {exc}",
-                    code="local_io_error",
+                raise _local_error(
+                    exc, f"writing the restore of {name} under {target.parent}"
                 ) from exc
             if number:
                 log.warning("restored %s from fallback region %s", name, source.region)
             try:
                 await in_thread(_commit, staging, target)
             except OSError as exc:
-                raise RestoreError(
-                    f"finishing the restore into {target} failed: {exc}", code="local_io_error"
-                ) from exc
+                raise _local_error(exc, f"finishing the restore into {target}") from exc
             return target
         raise RestoreError(
             f"could not restore {name} from any region: " + "; ".join(failures),

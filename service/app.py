@@ -18,6 +18,8 @@ from .integrity.jobs import VerifyJobs
 from .integrity.scrub import Scrubber
 from .jobs.worker import Worker
 from .limits import BodySizeLimit, RateLimit
+from .observability.middleware import RequestContext
+from .observability.routes import router as metrics_router
 from .regions.routes import router as regions_router
 from .replication.jobs import ReplicationJobs
 from .resources import Resources
@@ -27,6 +29,7 @@ from .retention.sweeper import RetentionSweeper
 from .runs.routes import router as runs_router
 from .storage.base import StoreError
 from .storage.factory import build_stores
+from .ui.routes import router as ui_router
 from .uploads.jobs import UploadJobs
 
 log = logging.getLogger("tierckpt")
@@ -98,10 +101,14 @@ def create_app(settings: Settings, *, start_worker: bool = True) -> FastAPI:
         burst=settings.server.rate_limit_burst,
         tokens=settings.tokens,
     )
+    # Outermost: every answer (a 429 too) carries X-Request-ID and is counted.
+    app.add_middleware(RequestContext)
     app.include_router(health_router)
     app.include_router(checkpoints_router)
     app.include_router(runs_router)
     app.include_router(retention_router)
     app.include_router(regions_router)
     app.include_router(advice_router)
+    app.include_router(metrics_router)
+    app.include_router(ui_router)
     return app

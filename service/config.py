@@ -43,6 +43,11 @@ class ServerSettings(BaseModel):
     # and the POSIX object downloads of a restore are not counted.
     rate_limit_per_second: float = Field(200.0, ge=0)
     rate_limit_burst: int = Field(400, ge=1)
+    # /metrics without a token (scrapers rarely carry one); false: a READ token.
+    metrics_public: bool = True
+    # Log lines of `serve`: "json" (one object a line), "console" (for people),
+    # or "auto": console on a terminal, JSON otherwise.
+    log_format: Literal["auto", "json", "console"] = "auto"
 
 
 class CatalogSettings(BaseModel):

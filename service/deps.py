@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -10,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from .auth import Principal, authenticate
 from .checkpoints.service import CheckpointService
+from .errors import ApiError
 from .resources import Resources
 
 
@@ -37,10 +39,28 @@ async def get_session(resources: ResourcesDep) -> AsyncIterator[AsyncSession]:
 SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
 
 
+# A run name as registration accepts it, minus "." and ".." (they would be
+# path segments of the object keys built from it).
+RUN_NAME = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,128}$")
+
+
 def get_principal(
-    resources: ResourcesDep, authorization: Annotated[str | None, Header()] = None
+    request: Request,
+    resources: ResourcesDep,
+    authorization: Annotated[str | None, Header()] = None,
 ) -> Principal:
-    return authenticate(authorization, resources.settings.tokens)
+    principal = authenticate(authorization, resources.settings.tokens)
+    # Every run-scoped route authenticates, so the run named in its path is
+    # checked here once for all of them: none can create, look up or build
+    # a key from a name that registration would refuse.
+    run = request.path_params.get("run")
+    if run is not None and not RUN_NAME.match(run):
+        raise ApiError(
+            f"run name {run[:140]!r} is invalid: 1-128 of A-Z a-z 0-9 . _ -, not '.' or '..'",
+            code="invalid_run",
+            status=422,
+        )
+    return principal
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

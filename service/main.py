@@ -28,11 +28,11 @@ def serve(config_path: str | None = None) -> None:
 
     from .app import create_app
     from .migrate import upgrade
+    from .observability.logs import configure_logging
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     settings = _settings_or_exit(config_path)
+    # JSON lines (with request and job context) unless a person is watching.
+    configure_logging(settings.server.log_format)
     upgrade(settings.catalog.url)
     app = create_app(settings)
     # uvicorn turns SIGTERM into a lifespan shutdown: the worker stops
@@ -42,6 +42,8 @@ def serve(config_path: str | None = None) -> None:
         host=settings.server.host,
         port=settings.server.port,
         log_level="info",
+        # uvicorn's loggers propagate to the root handler configured above.
+        log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.worker.shutdown_timeout) + 5,
     )

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
 
 from ..db import dialect_name
 from ..models import (
@@ -178,3 +179,46 @@ async def jobs_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[Job, 
         .order_by(Job.id)
     )
     return [(job, rank) for job, rank in rows]
+
+
+async def last_durable_by_region(
+    session: AsyncSession, min_regions: int, run_ids: Sequence[int] | None = None
+) -> list[tuple[str, str, Checkpoint]]:
+    """(run, region, checkpoint) for the valid checkpoint with the highest step
+    that is committed in that region: where each run restarts from, per region.
+    The same rule as ``latest_valid``, for every run and region in one query."""
+    other = aliased(Replica)
+    good = (
+        select(func.count())
+        .select_from(other)
+        .where(other.checkpoint_id == Checkpoint.id, other.state == ReplicaState.COMMITTED)
+        .correlate(Checkpoint)
+        .scalar_subquery()
+    )
+    conditions = [
+        Checkpoint.state.in_(VALID_STATES),
+        Checkpoint.quarantined_at.is_(None),
+        Replica.state == ReplicaState.COMMITTED,
+        good >= min_regions,
+    ]
+    if run_ids is not None:
+        conditions.append(Checkpoint.run_id.in_(run_ids))
+    best = (
+        select(
+            Checkpoint.run_id.label("run_id"),
+            Replica.region.label("region"),
+            func.max(Checkpoint.step).label("step"),
+        )
+        .join(Replica, Replica.checkpoint_id == Checkpoint.id)
+        .where(*conditions)
+        .group_by(Checkpoint.run_id, Replica.region)
+        .subquery()
+    )
+    rows = await session.execute(
+        select(Run.name, best.c.region, Checkpoint)
+        .select_from(best)
+        .join(Checkpoint, (Checkpoint.run_id == best.c.run_id) & (Checkpoint.step == best.c.step))
+        .join(Run, Run.id == best.c.run_id)
+        .order_by(Run.name, best.c.region)
+    )
+    return [(name, region, checkpoint) for name, region, checkpoint in rows]

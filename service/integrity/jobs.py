@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import FINAL, lock_checkpoint, refresh_state
+from ..concurrency import gather_or_cancel
 from ..db import transaction
 from ..jobs import queue
 from ..jobs.worker import JobHandler, PermanentJobError
@@ -30,6 +31,7 @@ from ..models import (
     Shard,
     utcnow,
 )
+from ..observability import metrics
 from ..replication.jobs import enqueue_replication
 from ..resources import Resources
 from ..storage.base import ObjectNotFound, ObjectStore
@@ -152,6 +154,7 @@ class VerifyJobs:
             else:
                 await self._set_replica(session, job, ReplicaState.COMMITTED, now, None)
                 await self._refresh(session, checkpoint)
+        metrics.observe_verify(job.region, corrupt=bool(problems))
 
     async def _check(
         self,
@@ -182,7 +185,7 @@ class VerifyJobs:
 
         # Store errors other than "not found" propagate: an outage is retried,
         # never taken for corruption.
-        await asyncio.gather(*(one(o) for o in expected))
+        await gather_or_cancel(*(one(o) for o in expected))
         return sorted(problems)
 
     async def _set_replica(

@@ -22,6 +22,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from ..config import WorkerSettings
 from ..db import transaction
 from ..models import Job
+from ..observability import metrics
+from ..observability.context import bind_job
 from . import queue
 
 log = logging.getLogger("tierckpt.worker")
@@ -146,12 +148,15 @@ class Worker:
     async def _execute(self, job: Job) -> None:
         handler = self._handlers.get(job.kind)
         try:
+            # Job id, kind, run, step, region on every log line of this task.
+            await bind_job(job, self._sessionmaker)
             if handler is None:
                 raise PermanentJobError(f"no handler for job kind {job.kind!r}")
             if job.attempts > job.max_attempts:
                 reason = job.last_error or "lease expired"
                 raise PermanentJobError(f"gave up after {job.max_attempts} attempts: {reason}")
             await handler.run(job)
+            metrics.observe_job(job.kind, "succeeded")
         except asyncio.CancelledError:
             await self._settle(job, "release", None, handler)
             raise
@@ -193,6 +198,7 @@ class Worker:
         handler: JobHandler | None,
         delay: float = 0.0,
     ) -> None:
+        metrics.observe_job(job.kind, action)
         try:
             async with transaction(self._sessionmaker) as session:
                 if action == "release":

@@ -6,12 +6,15 @@ the agent) has no URL of its own, so the agent streams it.
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Header
 from fastapi.responses import FileResponse
 
 from ..auth import Action, authorize
 from ..deps import PrincipalDep, ResourcesDep
 from ..errors import BadInput, NotFound
+from ..observability import metrics
 from ..storage.posix import PosixStore
 
 router = APIRouter(prefix="/v1/regions", tags=["regions"])
@@ -19,7 +22,11 @@ router = APIRouter(prefix="/v1/regions", tags=["regions"])
 
 @router.get("/{region}/objects/{key:path}")
 async def get_object(
-    region: str, key: str, resources: ResourcesDep, principal: PrincipalDep
+    region: str,
+    key: str,
+    resources: ResourcesDep,
+    principal: PrincipalDep,
+    range_header: Annotated[str | None, Header(alias="range")] = None,
 ) -> FileResponse:
     run = key.split("/", 1)[0]
     authorize(principal, Action.READ, run)
@@ -34,4 +41,5 @@ async def get_object(
         raise BadInput(f"invalid object key {key!r}", code="invalid_key") from exc
     if not path.is_file():
         raise NotFound(f"object {key!r} not found in region {region!r}", code="object_not_found")
+    metrics.observe_served(region, range_header, path.stat().st_size)
     return FileResponse(path, media_type="application/octet-stream")

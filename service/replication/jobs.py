@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import lock_checkpoint, refresh_state
+from ..concurrency import gather_or_cancel
 from ..db import transaction
 from ..jobs import queue
 from ..jobs.worker import JobHandler, PermanentJobError
@@ -32,6 +33,7 @@ from ..models import (
     ReplicaState,
     utcnow,
 )
+from ..observability import context, metrics
 from ..resources import Resources
 from ..storage.base import ObjectStore, PartRef, StoreError
 from ..uploads.manifest import manifest_digest
@@ -165,6 +167,7 @@ class ReplicationJobs:
             if target is None or target.state == ReplicaState.COMMITTED:
                 await queue.complete(session, job)  # already there (or not ours to copy)
                 return None
+            context.note(repair=target.state == ReplicaState.CORRUPT)
             sources = [
                 r.region
                 for r in await session.scalars(
@@ -225,6 +228,7 @@ class ReplicationJobs:
                 await refresh_state(
                     session, checkpoint, settings.durability.min_regions, len(settings.regions)
                 )
+            metrics.observe_replication(job.region, sum(o.size for o in objects))
             return
         raise StoreError("every source region failed: " + "; ".join(errors))
 
@@ -247,7 +251,7 @@ class ReplicationJobs:
                 else:
                     await stream_copy(source, target, obj, self.part_size, self.parts)
 
-        await asyncio.gather(*(one(o) for o in objects))
+        await gather_or_cancel(*(one(o) for o in objects))
         return hashed
 
     async def failed(self, session: AsyncSession, job: Job, error: str) -> None:

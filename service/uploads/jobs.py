@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import FINAL, lock_checkpoint, refresh_state
+from ..concurrency import gather_or_cancel
 from ..db import transaction
 from ..jobs import queue
 from ..jobs.worker import JobHandler, PermanentJobError
@@ -27,6 +28,7 @@ from ..models import (
     ShardState,
     utcnow,
 )
+from ..observability import metrics
 from ..replication.jobs import enqueue_replication
 from ..resources import Resources
 from ..storage import layout
@@ -107,9 +109,10 @@ class UploadJobs:
         ]
         roots = self.r.settings.local.roots
         try:
-            uploaded = await asyncio.gather(*(self._one(store, s, roots) for s in sources))
+            uploaded = await gather_or_cancel(*(self._one(store, s, roots) for s in sources))
         except SourceChanged as exc:
             raise PermanentJobError(str(exc)) from exc
+        metrics.observe_upload(job.region, sum(s.size for s in sources), repair=is_repair(job))
 
         by_path = {u.relative: u for u in uploaded}
         async with transaction(self.r.sessionmaker) as session:

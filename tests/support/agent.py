@@ -8,6 +8,7 @@ so every integration test also exercises the migrations.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -69,8 +70,15 @@ def posix_region(name: str, root: Path) -> dict[str, Any]:
 
 
 def make_settings(
-    catalog_url: str, ssd: Path, regions: list[dict[str, Any]], **sections: Any
+    catalog_url: str,
+    ssd: Path,
+    regions: list[dict[str, Any]],
+    *,
+    tokens: list[dict[str, Any]] | None = None,
+    **sections: Any,
 ) -> Settings:
+    """Settings of a test agent; ``tokens`` are ``[[tokens]]`` entries (use
+    ``token_entry`` to build one from a plain token)."""
     data: dict[str, Any] = {
         "server": {"node": "node-test"},
         "catalog": {"url": catalog_url},
@@ -86,7 +94,19 @@ def make_settings(
     }
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
+    if tokens is not None:
+        data["tokens"] = tokens
     return Settings.model_validate(data)
+
+
+def token_entry(name: str, token: str, role: str, runs: str = "*") -> dict[str, Any]:
+    """A ``[[tokens]]`` entry for ``token``: only its SHA-256 is configured."""
+    return {
+        "name": name,
+        "sha256": hashlib.sha256(token.encode()).hexdigest(),
+        "role": role,
+        "runs": runs,
+    }
 
 
 @asynccontextmanager
@@ -97,12 +117,13 @@ async def running_agent(
     *,
     start_worker: bool = True,
     ssd: Path | None = None,
+    tokens: list[dict[str, Any]] | None = None,
     **sections: Any,
 ) -> AsyncIterator[Agent]:
     ssd = ssd or tmp_path / "ssd"
     ssd.mkdir(parents=True, exist_ok=True)
     regions = regions or [posix_region("local", tmp_path / "region-local")]
-    settings = make_settings(catalog_url, ssd, regions, **sections)
+    settings = make_settings(catalog_url, ssd, regions, tokens=tokens, **sections)
     await asyncio.to_thread(upgrade, catalog_url)
     app = create_app(settings, start_worker=start_worker)
     async with app.router.lifespan_context(app):

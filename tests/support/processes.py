@@ -123,9 +123,19 @@ class ServeProcess:
 
 
 def cli(
-    *args: str, server: str | None = None, check: bool = False
+    *args: str,
+    server: str | None = None,
+    check: bool = False,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
+    """Run the CLI; ``env`` entries are added to this process's environment."""
     command = [TIERCKPT, *args]
     if server:
         command += ["--server", server]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=check)
+    environment = None
+    if env is not None:
+        environment = {**os.environ, **env}
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, check=check, env=environment
+    )

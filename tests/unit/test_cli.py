@@ -222,6 +222,7 @@ def test_runs(fake, capsys):
         "checkpoints": 1,
         "latest_step": 100,
         "created_at": "2026-11-22T11:00:00Z",
+        "regions": [],
     }
     code, out, _ = run(capsys, "runs")
     assert "llama" in out

@@ -7,6 +7,7 @@ here: a rename in one file without the others fails this test, not a user.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import re
 import shlex
@@ -249,3 +250,93 @@ def test_config_loads_in_the_service() -> None:
     settings = load_settings(CONFIG, environ={})
     assert [r.name for r in settings.regions] == ["us-east", "us-west"]
     assert settings.server.port == 8470
+
+
+# -- issue 7: health checks, named volumes, the trainers' shared SSD ---------
+
+ONE_SHOT = {"minio-init", "trainer"}
+
+
+def mounts_of(service: dict[str, Any]) -> dict[str, str]:
+    """container path -> source (a named volume or a host path)."""
+    found = {}
+    for volume in service.get("volumes") or []:
+        source, target = str(volume).split(":")[:2]
+        found[target] = source
+    return found
+
+
+def test_every_long_running_service_has_a_health_check(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    for name, service in services.items():
+        if name in ONE_SHOT:
+            assert service.get("restart") == "no", f"{name} runs once: restart: 'no'"
+            continue
+        check = service.get("healthcheck") or {}
+        assert check.get("test"), f"{name} has no health check"
+        assert check.get("retries", 0) >= 3 and check.get("interval"), name
+    # Whoever depends on a long-running service waits for it to be healthy.
+    for name, service in services.items():
+        for dependency, rule in (service.get("depends_on") or {}).items():
+            expected = (
+                "service_completed_successfully" if dependency in ONE_SHOT else "service_healthy"
+            )
+            assert rule["condition"] == expected, f"{name} -> {dependency}"
+
+
+def test_agent_health_check_asks_readyz_on_the_config_port(
+    services: dict[str, dict[str, Any]], config: dict[str, Any]
+) -> None:
+    probe = " ".join(services["tierckpt"]["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{config['server']['port']}/readyz" in probe
+
+
+def test_state_lives_in_named_volumes(
+    compose: dict[str, Any], services: dict[str, dict[str, Any]]
+) -> None:
+    declared = set(compose["volumes"])
+    assert mounts_of(services["postgres"])["/var/lib/postgresql/data"] in declared
+    for name, service in minio_services(services).items():
+        words = command_words(service)
+        data_dir = words[words.index("server") + 1]
+        assert mounts_of(service)[data_dir] in declared, f"{name}: {data_dir} not a named volume"
+    used = {
+        source
+        for service in services.values()
+        for source in mounts_of(service).values()
+        if not source.startswith((".", "/"))
+    }
+    assert used == declared, f"declared but unused volumes: {declared - used}"
+
+
+def test_trainer_shares_the_agents_ssd_and_reaches_it(
+    services: dict[str, dict[str, Any]], config: dict[str, Any]
+) -> None:
+    agent, trainer = services["tierckpt"], services["trainer"]
+    (root,) = config["local"]["roots"]
+    # The same named volume at the same path: a registered path is the same
+    # file in both containers.
+    assert mounts_of(trainer)[root] == mounts_of(agent)[root]
+    assert not mounts_of(trainer)[root].startswith((".", "/")), "the SSD is a named volume"
+    assert trainer["image"] == agent["image"], "the trainer runs the client of the same build"
+    assert trainer["depends_on"]["tierckpt"]["condition"] == "service_healthy"
+
+    env = env_of(trainer)
+    url = urlsplit(env["TIERCKPT_URL"])
+    assert (url.hostname, url.port) == ("tierckpt", config["server"]["port"])
+    digest = hashlib.sha256(env["TIERCKPT_TOKEN"].encode()).hexdigest()
+    token = next(t for t in config["tokens"] if t["sha256"] == digest)
+    assert token["role"] in ("trainer", "admin")
+
+    # The script it runs is mounted from this repository and writes under the root.
+    entry = [str(w) for w in trainer["entrypoint"]]
+    script = entry[-1]
+    host_dir = next(src for dst, src in mounts_of(trainer).items() if script.startswith(dst + "/"))
+    assert (ROOT / host_dir / Path(script).name).is_file()
+    words = command_words(trainer)
+    assert option(words, "--root") == root
+    assert "--resume" in words
+    run = option(words, "--run")
+    assert run and re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run)
+    assert fnmatch.fnmatchcase(run, token["runs"])

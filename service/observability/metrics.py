@@ -1,0 +1,199 @@
+"""In-process metrics of this agent, and the hooks the service calls.
+
+Counters and histograms count what *this process* did (bytes it uploaded,
+jobs it ran); Prometheus sums them over agents. What the catalog knows
+(queues, replicas, recovery points) is computed at scrape time instead, see
+``catalog``. Every family is prefixed ``tierckpt_``; see docs/API.md
+("Metrics") for the list and deploy/prometheus/ for alert rules on them.
+
+The hooks are one line at the call site and never raise.
+"""
+
+from __future__ import annotations
+
+import re
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+
+from .context import current_job, job_elapsed
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+
+# Seconds: a small checkpoint uploads in well under a second, a large one in
+# tens of minutes.
+_TRANSFER_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+_HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+REGISTRATIONS = Counter(
+    "tierckpt_registrations",
+    "Checkpoint shards newly registered on this agent (a repeated identical "
+    "registration is not counted).",
+    ["priority"],
+    registry=REGISTRY,
+)
+UPLOADED_BYTES = Counter(
+    "tierckpt_uploaded_bytes",
+    "Bytes uploaded from this node's local SSD into a region (repairs included).",
+    ["region"],
+    registry=REGISTRY,
+)
+UPLOAD_SECONDS = Histogram(
+    "tierckpt_upload_duration_seconds",
+    "Time to upload one shard (read, hash and upload every file) into the primary region.",
+    ["region"],
+    buckets=_TRANSFER_BUCKETS,
+    registry=REGISTRY,
+)
+REPLICATED_BYTES = Counter(
+    "tierckpt_replicated_bytes",
+    "Bytes copied into a region by replication or repair.",
+    ["region"],
+    registry=REGISTRY,
+)
+REPLICATION_SECONDS = Histogram(
+    "tierckpt_replication_duration_seconds",
+    "Time to copy one checkpoint into a region, manifest included.",
+    ["region"],
+    buckets=_TRANSFER_BUCKETS,
+    registry=REGISTRY,
+)
+RESTORE_PLANNED_BYTES = Counter(
+    "tierckpt_restore_planned_bytes",
+    "Bytes of the restore plans handed out, by the preferred region (clients "
+    "fetch S3 regions directly through presigned URLs).",
+    ["region"],
+    registry=REGISTRY,
+)
+SERVED_BYTES = Counter(
+    "tierckpt_served_bytes",
+    "Object bytes this agent streamed to restoring clients (POSIX regions).",
+    ["region"],
+    registry=REGISTRY,
+)
+SCRUB_RESULTS = Counter(
+    "tierckpt_scrub_results",
+    "Replica checks and repairs: result=verified (re-read, intact), corrupt "
+    "(mismatch or missing object), repaired (a corrupt copy rewritten).",
+    ["region", "result"],
+    registry=REGISTRY,
+)
+JOB_RUNS = Counter(
+    "tierckpt_job_runs",
+    "Background job attempts on this agent by outcome: succeeded, retried "
+    "(failed, will run again), failed (gave up), released (given back at shutdown).",
+    ["kind", "outcome"],
+    registry=REGISTRY,
+)
+JOB_SECONDS = Histogram(
+    "tierckpt_job_duration_seconds",
+    "Duration of successful background job attempts.",
+    ["kind"],
+    buckets=_TRANSFER_BUCKETS,
+    registry=REGISTRY,
+)
+HTTP_REQUESTS = Counter(
+    "tierckpt_http_requests",
+    "HTTP requests answered, by route template and status code.",
+    ["method", "route", "status"],
+    registry=REGISTRY,
+)
+HTTP_SECONDS = Histogram(
+    "tierckpt_http_request_duration_seconds",
+    "HTTP request latency by route template.",
+    ["method", "route"],
+    buckets=_HTTP_BUCKETS,
+    registry=REGISTRY,
+)
+
+_REGION_FAMILIES = (
+    UPLOADED_BYTES,
+    UPLOAD_SECONDS,
+    REPLICATED_BYTES,
+    REPLICATION_SECONDS,
+    RESTORE_PLANNED_BYTES,
+    SERVED_BYTES,
+)
+
+
+def init_regions(regions: list[str]) -> None:
+    """Create every region's series at zero, so rate() sees the first increment."""
+    for region in regions:
+        for family in _REGION_FAMILIES:
+            family.labels(region)
+        for result in ("verified", "corrupt", "repaired"):
+            SCRUB_RESULTS.labels(region, result)
+
+
+# -- hooks ---------------------------------------------------------------------
+
+
+def observe_registration(priority: str) -> None:
+    REGISTRATIONS.labels(priority).inc()
+
+
+def observe_upload(region: str | None, nbytes: int, *, repair: bool = False) -> None:
+    """A shard's files are in ``region``; the duration is the job's so far."""
+    region = region or ""
+    UPLOADED_BYTES.labels(region).inc(nbytes)
+    UPLOAD_SECONDS.labels(region).observe(job_elapsed())
+    if repair:
+        SCRUB_RESULTS.labels(region, "repaired").inc()
+
+
+def observe_replication(region: str | None, nbytes: int) -> None:
+    """A checkpoint was copied into ``region`` (a repair when the job noted
+    that the target copy was corrupt)."""
+    region = region or ""
+    REPLICATED_BYTES.labels(region).inc(nbytes)
+    REPLICATION_SECONDS.labels(region).observe(job_elapsed())
+    job = current_job()
+    if job is not None and job.notes.get("repair"):
+        SCRUB_RESULTS.labels(region, "repaired").inc()
+
+
+def observe_verify(region: str | None, *, corrupt: bool) -> None:
+    SCRUB_RESULTS.labels(region or "", "corrupt" if corrupt else "verified").inc()
+
+
+def observe_restore_plan(region: str, nbytes: int) -> None:
+    RESTORE_PLANNED_BYTES.labels(region).inc(nbytes)
+
+
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def served_length(range_header: str | None, size: int) -> int:
+    """Bytes a GET with this Range header returns from an object of ``size``."""
+    if not range_header:
+        return size
+    match = _RANGE.match(range_header.strip())
+    if match is None:  # several ranges or garbage: count the whole object
+        return size
+    first, last = match.groups()
+    if not first:  # suffix range: the last N bytes
+        return min(int(last or 0), size)
+    start = int(first)
+    end = min(int(last), size - 1) if last else size - 1
+    return max(0, end - start + 1)
+
+
+def observe_served(region: str, range_header: str | None, size: int) -> None:
+    SERVED_BYTES.labels(region).inc(served_length(range_header, size))
+
+
+_OUTCOMES = {"release": "released", "retry": "retried", "fail": "failed"}
+
+
+def observe_job(kind: str, outcome: str) -> None:
+    """Called by the worker when an attempt ends: ``succeeded``, or how the
+    worker settled it (``retry``, ``fail``, ``release``)."""
+    outcome = _OUTCOMES.get(outcome, outcome)
+    JOB_RUNS.labels(kind, outcome).inc()
+    if outcome == "succeeded":
+        JOB_SECONDS.labels(kind).observe(job_elapsed())
+
+
+def observe_request(method: str, route: str, status: int, seconds: float) -> None:
+    HTTP_REQUESTS.labels(method, route, str(status)).inc()
+    HTTP_SECONDS.labels(method, route).observe(seconds)

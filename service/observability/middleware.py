@@ -1,0 +1,92 @@
+"""Per-request context: a request id, an access log line, HTTP metrics.
+
+A pure ASGI middleware (no BaseHTTPMiddleware: streamed responses stay
+streamed, and the context variable is set in the task that runs the route).
+An incoming ``X-Request-ID`` made of safe characters is kept, so a request can
+be followed from a proxy or a client through the agent's log; otherwise a new
+one is made. Either way the response carries it.
+
+Access lines go to ``tierckpt.http``: writes, errors and slow requests at
+INFO, the rest (clients poll checkpoint state several times a second) at
+DEBUG. The query string is never logged (the dashboard accepts ``?token=``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import metrics
+from .context import REQUEST_ID
+
+log = logging.getLogger("tierckpt.http")
+
+HEADER = b"x-request-id"
+_SAFE_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+SLOW_SECONDS = 1.0
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _route(scope: Scope) -> str:
+    """The route template (bounded label values), not the raw path."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if isinstance(path, str):
+        return path
+    return "unmatched"
+
+
+class RequestContext:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = dict(scope.get("headers") or []).get(HEADER)
+        request_id = (
+            incoming.decode() if incoming and _SAFE_ID.match(incoming) else new_request_id()
+        )
+        token = REQUEST_ID.set(request_id)
+        started = time.monotonic()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != HEADER]
+                headers.append((HEADER, request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            seconds = time.monotonic() - started
+            method = scope.get("method", "GET")
+            metrics.observe_request(method, _route(scope), status, seconds)
+            quiet = method in ("GET", "HEAD") and status < 400 and seconds < SLOW_SECONDS
+            log.log(
+                logging.DEBUG if quiet else logging.INFO,
+                "%s %s %d %.1f ms",
+                method,
+                scope.get("path", ""),
+                status,
+                seconds * 1000,
+                extra={
+                    "method": method,
+                    "path": scope.get("path", ""),
+                    "status": status,
+                    "duration_ms": round(seconds * 1000, 2),
+                },
+            )
+            REQUEST_ID.reset(token)

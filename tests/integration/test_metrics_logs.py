@@ -1,0 +1,78 @@
+"""Structured logs of a real agent: every line is JSON, requests carry their
+request id, job lines carry the job (id, kind, run, step, region)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.agent import posix_region, running_agent, write_checkpoint
+from tierckpt.service.observability.logs import make_handler
+
+
+@pytest.fixture
+def json_log() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    handler = make_handler("json", stream)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield stream
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def records(stream: io.StringIO) -> list[dict[str, Any]]:
+    # Every line must parse: one JSON object per line, nothing else.
+    return [json.loads(line) for line in stream.getvalue().splitlines() if line]
+
+
+async def test_json_lines_carry_request_id_and_job_context(
+    catalog_url: str, tmp_path: Path, json_log: io.StringIO
+) -> None:
+    west = tmp_path / "west"
+    regions = [posix_region("east", tmp_path / "east"), posix_region("west", west)]
+    async with running_agent(catalog_url, tmp_path, regions) as agent:
+        # West breaks after start: its replicate job fails and retries.
+        shutil.rmtree(west)
+        west.write_text("not a directory")
+        ckpt = write_checkpoint(agent.ssd / "s7", {"w.bin": 2048})
+        answer = await agent.http.post(
+            "/v1/checkpoints",
+            json={"run": "logs", "step": 7, "path": str(ckpt)},
+            headers={"X-Request-ID": "req-logs-7"},
+        )
+        assert answer.status_code == 202
+        assert answer.headers["x-request-id"] == "req-logs-7"
+        await agent.wait_state("logs", 7, ("durable",))
+        for _ in range(400):
+            found = [r for r in records(json_log) if r.get("job_kind") == "replicate"]
+            if found:
+                break
+            await asyncio.sleep(0.05)
+
+        generated = await agent.http.get("/v1/runs/logs/checkpoints/7")
+        assert len(generated.headers["x-request-id"]) == 16  # made up when none was sent
+
+    lines = records(json_log)
+    assert lines and all({"ts", "level", "logger", "message"} <= set(r) for r in lines)
+    access = [r for r in lines if r["logger"] == "tierckpt.http" and r.get("method") == "POST"]
+    assert access and access[0]["request_id"] == "req-logs-7"
+    assert access[0]["path"] == "/v1/checkpoints" and access[0]["status"] == 202
+
+    retry = next(r for r in lines if r.get("job_kind") == "replicate")
+    assert retry["level"] == "warning" and "retrying" in retry["message"]
+    assert retry["run"] == "logs" and retry["step"] == 7 and retry["region"] == "west"
+    assert isinstance(retry["job_id"], int) and retry["attempt"] >= 1
+    assert "request_id" not in retry  # background work belongs to no request

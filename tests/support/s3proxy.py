@@ -1,0 +1,218 @@
+"""A fault-injecting HTTP proxy in front of a real S3 server (SeaweedFS).
+
+Requests pass through untouched until a test asks for trouble:
+
+- ``fail(status=503, code="SlowDown", seconds=…, count=…)`` answers with an
+  S3 XML error instead of forwarding (throttling, 500 InternalError, …),
+  for a while or for the next N requests;
+- ``delay(seconds, for_seconds=…)`` forwards, but only after a pause (a
+  slow store).
+
+Every request is logged (time, method, path, status, whether it was a
+fault), so a test can count attempts and see how they were spaced: retries
+with backoff, not a busy loop. It listens on loopback only and runs its own
+event loop in a thread, like ``tcpproxy.TcpProxy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+T = TypeVar("T")
+
+__all__ = ["Fault", "S3FaultProxy", "Seen"]
+
+# Hop-by-hop and framing headers are the proxy's own business on each side.
+_SKIP_REQUEST = {"host", "content-length", "transfer-encoding", "connection", "expect"}
+_SKIP_RESPONSE = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+_REASONS = {
+    "SlowDown": "Please reduce your request rate.",
+    "InternalError": "We encountered an internal error. Please try again.",
+    "ServiceUnavailable": "Service is unable to handle request.",
+}
+
+
+@dataclass(frozen=True)
+class Seen:
+    at: float  # time.monotonic()
+    method: str
+    path: str
+    status: int
+    fault: bool
+
+
+@dataclass
+class Fault:
+    status: int = 0
+    code: str = ""
+    delay: float = 0.0
+    until: float | None = None  # monotonic deadline
+    remaining: int | None = None  # requests left
+
+    def active(self, now: float) -> bool:
+        if self.until is not None and now >= self.until:
+            return False
+        return self.remaining is None or self.remaining > 0
+
+
+class S3FaultProxy:
+    def __init__(self, target_url: str, host: str = "127.0.0.1") -> None:
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError("the fault proxy listens on loopback only")
+        self.target = target_url.rstrip("/")
+        self.host = host
+        self.port = 0
+        self.log: list[Seen] = []
+        self._fault: Fault | None = None
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # -- control (from any thread) -------------------------------------------
+
+    def start(self) -> S3FaultProxy:
+        self._thread.start()
+        self._call(self._start())
+        return self
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._call(self._close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        self._loop.close()
+
+    def fail(
+        self,
+        status: int = 503,
+        code: str = "SlowDown",
+        *,
+        seconds: float | None = None,
+        count: int | None = None,
+    ) -> None:
+        """Answer ``status`` with an S3 error ``code`` instead of forwarding,
+        for ``seconds`` or for the next ``count`` requests (or until clear())."""
+        with self._lock:
+            self._fault = Fault(
+                status=status,
+                code=code,
+                until=None if seconds is None else time.monotonic() + seconds,
+                remaining=count,
+            )
+
+    def delay(self, seconds: float, *, for_seconds: float | None = None) -> None:
+        """Forward every request only after ``seconds`` (a slow store)."""
+        with self._lock:
+            self._fault = Fault(
+                delay=seconds,
+                until=None if for_seconds is None else time.monotonic() + for_seconds,
+            )
+
+    def clear(self) -> None:
+        with self._lock:
+            self._fault = None
+
+    def faults(self) -> list[Seen]:
+        return [seen for seen in list(self.log) if seen.fault]
+
+    def __enter__(self) -> S3FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals (in the proxy's loop) ---------------------------------------
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(30)
+
+    async def _start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300),
+        )
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+
+    async def _close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    def _take_fault(self) -> Fault | None:
+        with self._lock:
+            fault = self._fault
+            if fault is None or not fault.active(time.monotonic()):
+                return None
+            if fault.remaining is not None:
+                fault.remaining -= 1
+            return fault
+
+    def _record(self, request: web.Request, status: int, *, fault: bool) -> None:
+        self.log.append(Seen(time.monotonic(), request.method, request.path, status, fault))
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        fault = self._take_fault()
+        if fault is not None and fault.status:
+            self.log.append(
+                Seen(time.monotonic(), request.method, request.path, fault.status, True)
+            )
+            xml = (
+                '<?xml version="1.0" encoding="UTF-8"?>\n'
+                f"<Error><Code>{fault.code}</Code>"
+                f"<Message>{_REASONS.get(fault.code, fault.code)}</Message>"
+                f"<Resource>{request.path}</Resource><RequestId>fault-proxy</RequestId></Error>"
+            )
+            return web.Response(status=fault.status, text=xml, content_type="application/xml")
+        if fault is not None and fault.delay:
+            await asyncio.sleep(fault.delay)
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST}
+        headers["Host"] = request.headers.get("Host", "")
+        async with self._session.request(
+            request.method,
+            self.target + request.rel_url.raw_path_qs,
+            headers=headers,
+            # A file-like body: aiohttp warns (an error under pytest) on big bytes.
+            data=io.BytesIO(body) if body else None,
+            allow_redirects=False,
+            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
+        ) as upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _SKIP_RESPONSE:
+                    response.headers.add(name, value)
+            if upstream.headers.get("Content-Length") is not None:
+                response.content_length = int(upstream.headers["Content-Length"])
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_chunked(1 << 16):
+                await response.write(chunk)
+            await response.write_eof()
+        self.log.append(
+            Seen(time.monotonic(), request.method, request.path, upstream.status, False)
+        )
+        return response
