@@ -281,3 +281,31 @@ def wait_timeout_error(
     return TimeoutError(
         f"checkpoint {run}:{step} still {last.state} after {timeout or 0:g}s (waiting for {state})"
     )
+
+
+# Answers worth asking again: the service is busy (429) or its catalog is
+# briefly unreachable (503). Every call here is safe to repeat: register is
+# idempotent (same content -> 200), the rest read or set absolute state.
+RETRY_STATUSES = (429, 503)
+RETRY_ATTEMPTS = 5
+
+
+def retry_after(
+    response: httpx.Response | None, attempt: int, attempts: int = RETRY_ATTEMPTS
+) -> float | None:
+    """Seconds to wait before attempt ``attempt + 1``, or None to stop.
+
+    ``response`` None means no answer at all (connection refused while the
+    agent restarts, say)."""
+    if attempt >= attempts:
+        return None
+    if response is not None and response.status_code not in RETRY_STATUSES:
+        return None
+    backoff = min(8.0, 0.25 * 2**attempt)
+    if response is not None:
+        header = response.headers.get("Retry-After", "")
+        try:
+            return min(30.0, max(backoff, float(header)))
+        except ValueError:
+            pass
+    return backoff

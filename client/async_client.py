@@ -36,10 +36,13 @@ class AsyncCheckpointClient:
         token: str | None = None,
         timeout: float = 30.0,
         *,
+        retries: int = _api.RETRY_ATTEMPTS,
         transport: httpx.AsyncBaseTransport | None = None,
         transfer: TransferOptions | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        # 429/503/connection refused are retried with backoff this many times.
+        self.retries = retries
         self._token = token
         self._transfer = transfer or TransferOptions()
         self._http = httpx.AsyncClient(
@@ -64,11 +67,22 @@ class AsyncCheckpointClient:
         await self._http.aclose()
 
     async def _send(self, call: Call[T]) -> T:
-        try:
-            response = await self._http.request(**_api.request_args(call, self._token))
-        except httpx.RequestError as exc:
-            raise error_from_transport(exc, self.base_url) from exc
-        return _api.parse_response(call, response)
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(**_api.request_args(call, self._token))
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                delay = _api.retry_after(None, attempt, self.retries)
+                if delay is None:
+                    raise error_from_transport(exc, self.base_url) from exc
+            except httpx.RequestError as exc:
+                raise error_from_transport(exc, self.base_url) from exc
+            else:
+                delay = _api.retry_after(response, attempt, self.retries)
+                if delay is None:
+                    return _api.parse_response(call, response)
+            attempt += 1
+            await asyncio.sleep(delay)
 
     async def register(
         self,

@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _client(args: argparse.Namespace) -> CheckpointClient:
     server = args.server or os.environ.get("TIERCKPT_URL") or DEFAULT_URL
-    return CheckpointClient(server, token=os.environ.get("TIERCKPT_TOKEN") or None)
+    # A person at a terminal wants a quick answer when the agent is down.
+    return CheckpointClient(server, token=os.environ.get("TIERCKPT_TOKEN") or None, retries=2)
 
 
 def _emit_json(value: Any) -> None:

@@ -55,11 +55,14 @@ class CheckpointClient:
         token: str | None = None,
         timeout: float = 30.0,
         *,
+        retries: int = _api.RETRY_ATTEMPTS,
         transport: httpx.BaseTransport | None = None,
         async_transport: httpx.AsyncBaseTransport | None = None,
         transfer: TransferOptions | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        # 429/503/connection refused are retried with backoff this many times.
+        self.retries = retries
         self._token = token
         self._timeout = timeout
         self._transfer = transfer or TransferOptions()
@@ -88,11 +91,22 @@ class CheckpointClient:
         self._http.close()
 
     def _send(self, call: Call[T]) -> T:
-        try:
-            response = self._http.request(**_api.request_args(call, self._token))
-        except httpx.RequestError as exc:
-            raise error_from_transport(exc, self.base_url) from exc
-        return _api.parse_response(call, response)
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(**_api.request_args(call, self._token))
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                delay = _api.retry_after(None, attempt, self.retries)
+                if delay is None:
+                    raise error_from_transport(exc, self.base_url) from exc
+            except httpx.RequestError as exc:
+                raise error_from_transport(exc, self.base_url) from exc
+            else:
+                delay = _api.retry_after(response, attempt, self.retries)
+                if delay is None:
+                    return _api.parse_response(call, response)
+            attempt += 1
+            time.sleep(delay)
 
     def register(
         self,

@@ -88,7 +88,7 @@ class RegionSettings(BaseModel):
     @field_validator("name")
     @classmethod
     def _valid_name(cls, name: str) -> str:
-        if not NAME_PATTERN.match(name):
+        if not NAME_PATTERN.match(name) or name in (".", ".."):
             raise ValueError("region name must match [A-Za-z0-9._-]{1,128}")
         return name
 

@@ -27,9 +27,19 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _not_a_dot_segment(run: str) -> str:
+    # "." and ".." match the character class but would be path segments in
+    # object keys (a POSIX region would leave its prefix): refused outright.
+    if run in (".", ".."):
+        raise ValueError("run must not be '.' or '..'")
+    return run
+
+
 class CheckpointRef(StrictModel):
     run: str = Field(pattern=RUN_PATTERN)
     step: int = Field(ge=0, le=MAX_STEP)
+
+    _run_not_dots = field_validator("run")(_not_a_dot_segment)
 
 
 class ClientFileHash(StrictModel):
@@ -50,6 +60,8 @@ class RegisterRequest(StrictModel):
     files: list[ClientFileHash] | None = Field(None, max_length=100_000)
     priority: Literal["normal", "urgent"] = "normal"
     write_seconds: float | None = Field(None, ge=0, le=86400 * 30)
+
+    _run_not_dots = field_validator("run")(_not_a_dot_segment)
 
     @field_validator("metrics")
     @classmethod

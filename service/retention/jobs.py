@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from ..checkpoints import repository as repo
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import lock_checkpoint
+from ..concurrency import gather_or_cancel
 from ..db import transaction
 from ..jobs import queue
 from ..jobs.worker import JobHandler
@@ -99,7 +100,7 @@ class DeleteJobs:
             async with semaphore:
                 await store.delete(key)
 
-        await asyncio.gather(*(one(k) for k in keys))
+        await gather_or_cancel(*(one(k) for k in keys))
 
     async def failed(self, session: AsyncSession, job: Job, error: str) -> None:
         checkpoint = await lock_checkpoint(session, job.checkpoint_id)

@@ -159,12 +159,6 @@ async def test_run_names_in_paths_follow_the_same_rules(tmp_path: Path) -> None:
         assert ok.status_code == 200, ok.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RUN_PATTERN (service/checkpoints/schemas.py) admits '.' and '..': on a POSIX "
-    "region register answers 500 (the store refuses the key), on S3 the key would climb out "
-    "of the prefix. Fix: r'^(?!\\.{1,2}$)[A-Za-z0-9._-]{1,128}$' there and in CheckpointRef.",
-)
 @pytest.mark.parametrize("run", [".", ".."])
 async def test_dot_run_names_are_refused(tmp_path: Path, run: str) -> None:
     async with running_agent(catalog(tmp_path), tmp_path, start_worker=False) as agent:

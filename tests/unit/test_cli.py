@@ -288,7 +288,7 @@ def test_transport_errors_never_leak_as_tracebacks(monkeypatch, capsys):
     monkeypatch.setattr(
         cli,
         "_client",
-        lambda args: CheckpointClient(BASE_URL, transport=httpx.MockTransport(broken)),
+        lambda args: CheckpointClient(BASE_URL, transport=httpx.MockTransport(broken), retries=0),
     )
     code, _, err = run(capsys, "runs")
     assert code == 3

@@ -70,7 +70,7 @@ def client(fake: FakeApi):
 )
 def test_error_answers_map_to_exception_classes(status, cls):
     transport = answering(error(status, "some_code", "what to do"))
-    with CheckpointClient(BASE_URL, transport=transport) as client:
+    with CheckpointClient(BASE_URL, transport=transport, retries=0) as client:
         with pytest.raises(cls) as caught:
             client.get("run", 1)
     assert type(caught.value) is cls
@@ -110,7 +110,7 @@ def test_garbled_success_answer_is_a_server_error():
 
 
 def test_nothing_listening_is_a_server_error():
-    with CheckpointClient(f"http://127.0.0.1:{closed_port()}", timeout=2) as client:
+    with CheckpointClient(f"http://127.0.0.1:{closed_port()}", timeout=2, retries=0) as client:
         with pytest.raises(ServerError) as caught:
             client.runs()
     assert caught.value.code == "unreachable"
@@ -283,3 +283,34 @@ def test_importing_the_client_does_not_import_the_service_stack():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_busy_answers_are_retried_with_backoff(status, monkeypatch):
+    import time as time_module
+
+    waits: list[float] = []
+    monkeypatch.setattr(time_module, "sleep", waits.append)
+    answers = iter([error(status, "busy", "later"), error(status, "busy", "later")])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nxt = next(answers, None)
+        if nxt is not None:
+            return nxt
+        return httpx.Response(200, json={"runs": [], "total": 0})
+
+    with CheckpointClient(BASE_URL, transport=httpx.MockTransport(handler), retries=3) as client:
+        assert client.runs() == []
+    assert len(waits) == 2 and waits[1] > waits[0] > 0
+
+
+def test_retries_stop_after_the_budget(monkeypatch):
+    import time as time_module
+
+    waits: list[float] = []
+    monkeypatch.setattr(time_module, "sleep", waits.append)
+    transport = answering(error(503, "catalog_unavailable", "retry shortly"))
+    with CheckpointClient(BASE_URL, transport=transport, retries=2) as client:
+        with pytest.raises(ServerError):
+            client.runs()
+    assert len(waits) == 2
