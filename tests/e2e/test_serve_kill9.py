@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.agent import write_checkpoint
 from tests.support.processes import ServeProcess, cli, free_port, write_config
-from tests.support.seaweed import SeaweedServer
+from tests.support.seaweed import SeaweedServer, overwrite_object
 
 pytestmark = pytest.mark.e2e
 
@@ -151,7 +151,7 @@ def test_kill9_mid_upload_loses_nothing(
         assert intact.returncode == 0, intact.stderr
         assert json.loads(intact.stdout)["replicas"][0]["verified_at"]
         bad_key = "e2e/gpt/step-000000000100/rank-00000/empty.txt"
-        s3_client.put_object(Bucket=s3_bucket, Key=bad_key, Body=b"not empty")
+        overwrite_object(s3_client, s3_bucket, bad_key, b"not empty")
         found = cli("--json", "verify", "gpt", "100", "--timeout", "120", server=again.url)
         assert found.returncode == 4, found.stdout + found.stderr
         assert "empty.txt" in json.loads(found.stdout)["replicas"][0]["error"]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.support.agent import Agent, AgentOrNetwork, running_agent, s3_region, write_checkpoint
-from tests.support.seaweed import SeaweedServer, boto3_client
+from tests.support.seaweed import SeaweedServer, boto3_client, overwrite_object
 from tierckpt.client import AsyncCheckpointClient
 
 PREFIX = "prod"
@@ -192,7 +192,7 @@ async def test_garbage_is_restored_around_detected_and_repaired(
         done = await agent.wait_state("g", 1, states=("replicated",))
         good = done["files"]
         # Garbage of the same size, written behind tierckpt's back.
-        s3_client.put_object(Bucket=s3_bucket, Key=key("g", 1, "w.bin"), Body=os.urandom(9 << 20))
+        overwrite_object(s3_client, s3_bucket, key("g", 1, "w.bin"), os.urandom(9 << 20))
 
         # Restore prefers east, sees the hash mismatch, falls back to west.
         async with AsyncCheckpointClient(
@@ -228,7 +228,7 @@ async def test_every_copy_corrupt_falls_back_then_repairs_from_local_copy(
 
         # Step 3: the only region copy is garbage and the T0 copy was
         # overwritten by the trainer: nothing intact is left.
-        s3_client.put_object(Bucket=s3_bucket, Key=key("c", 3, "w.bin"), Body=b"garbage")
+        overwrite_object(s3_client, s3_bucket, key("c", 3, "w.bin"), b"garbage")
         (lost / "w.bin").write_bytes(os.urandom(1 << 20))
         detail = await verify_and_wait(agent, "c", 3)
         assert detail["state"] == "corrupt"
@@ -237,7 +237,7 @@ async def test_every_copy_corrupt_falls_back_then_repairs_from_local_copy(
         assert (await agent.http.get("/v1/runs/c/latest")).json()["step"] == 2
 
         # Step 2: garbage in the region, but the T0 copy is intact: repaired.
-        s3_client.put_object(Bucket=s3_bucket, Key=key("c", 2, "w.bin"), Body=os.urandom(1 << 20))
+        overwrite_object(s3_client, s3_bucket, key("c", 2, "w.bin"), os.urandom(1 << 20))
         detail = await verify_and_wait(agent, "c", 2)
         latest = (await agent.http.get("/v1/runs/c/latest")).json()
         assert latest["step"] in (1, 2)  # 1 while the repair runs, 2 once done

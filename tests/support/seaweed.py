@@ -438,3 +438,21 @@ class SeaweedServer:
             for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 with contextlib.suppress(OSError):
                     sock.unlink()
+
+
+def overwrite_object(
+    client: Any, bucket: str, key: str, body: bytes, timeout: float = 30.0
+) -> None:
+    """Put ``body`` behind the service's back and wait until a read returns it.
+
+    SeaweedFS's S3 gateway serves reads from a metadata cache the filer
+    updates asynchronously; on a loaded machine an overwrite can take a
+    moment to show. Tests that corrupt an object and then expect the service
+    to find it wait for the corruption to be visible first.
+    """
+    client.put_object(Bucket=bucket, Key=key, Body=body)
+    deadline = time.monotonic() + timeout
+    while client.get_object(Bucket=bucket, Key=key)["Body"].read() != body:
+        if time.monotonic() > deadline:
+            raise SeaweedError(f"overwrite of {key} not visible after {timeout}s")
+        time.sleep(0.05)
