@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser demo serve test test-unit chaos lint migrate bench clean
+.PHONY: install browser slurm demo serve test test-unit chaos lint migrate bench clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,13 +33,27 @@ browser:
 	  fi; \
 	fi
 
+# The Slurm e2e test runs a real one-node cluster (Debian's slurm-wlm + munge).
+# As root (CI) they are installed when missing; otherwise that test skips.
+slurm:
+	@if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    if ! apt-cache policy slurm-wlm 2>/dev/null | grep -q 'Candidate: [0-9]'; then \
+	      apt-get update -qq; \
+	    fi; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; \
+	  else \
+	    echo "note: slurm-wlm/munge are missing and this is not root: the Slurm test will skip"; \
+	  fi; \
+	fi
+
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 serve: $(STAMP)
 	$(BIN)/tierckpt serve $(if $(CONFIG),--config $(CONFIG))
 
-test: $(STAMP) browser
+test: $(STAMP) browser slurm
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-unit: $(STAMP)

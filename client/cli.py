@@ -181,7 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("restore", _restore, "download and verify a checkpoint into DEST")
     sub.add_argument("run")
     sub.add_argument("dest", help="new or empty directory")
-    sub.add_argument("--step", type=_non_negative, help="default: the latest valid checkpoint")
+    which = sub.add_mutually_exclusive_group()
+    which.add_argument("--step", type=_non_negative, help="default: the latest valid checkpoint")
+    which.add_argument(
+        "--latest", action="store_true", help="the latest valid checkpoint (the default)"
+    )
+    sub.add_argument(
+        "--if-any",
+        action="store_true",
+        help="job scripts: exit 0 and restore nothing when the run has no valid checkpoint"
+        ' yet (--json then prints {"restored": null}; else {"restored": {run, step, path}})',
+    )
     sub.add_argument("--region", help="preferred region; others are fallbacks")
     sub.add_argument("--rank", type=_non_negative, help="only this rank's files")
 
@@ -413,6 +423,12 @@ def _restore(args: argparse.Namespace) -> int:
         if step is None:
             latest = client.latest(args.run, region=args.region)
             if latest is None:
+                if args.if_any:
+                    # A fresh start for an orchestrator's job script, not an error.
+                    if args.json:
+                        _emit_json({"restored": None})
+                    print("no checkpoint yet", file=sys.stderr)
+                    return OK
                 return _fail(f"run {args.run} has no valid checkpoint", NOT_FOUND)
             step = latest.step
         show = not args.json and sys.stdout.isatty()
@@ -421,7 +437,8 @@ def _restore(args: argparse.Namespace) -> int:
                 args.run, args.dest, step=step, region=args.region, rank=args.rank, progress=meter
             )
     if args.json:
-        _emit_json({"run": args.run, "step": step, "path": str(path), "bytes": meter.total})
+        restored = {"run": args.run, "step": step, "path": str(path), "bytes": meter.total}
+        _emit_json({"restored": restored} if args.if_any else restored)
     else:
         size = _render.size(meter.total)
         _render.console().print(f"restored {args.run}:{step} ({size}, verified) to {path}")

@@ -67,7 +67,9 @@ def test_manifest_validates_against_the_kubernetes_schema(path):
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
             where = ".".join(str(p) for p in exc.path)
-            pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {where}: {exc.message}")
+            pytest.fail(
+                f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {where}: {exc.message}"
+            )
 
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: p.name)
