@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -12,13 +14,16 @@ from typing import Any, TypeVar
 import httpx
 
 from . import _api
+from . import journal as _journal
 from ._api import DEFAULT_URL, USER_AGENT, Call, FilesLike, ParentLike
 from ._download import TransferOptions
-from .errors import NotFoundError, error_from_transport
+from .errors import NotFoundError, ServerError, error_from_transport
 from .models import Advice, Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
 from .restore import Progress, check_destination, restore_from_plan
 
 T = TypeVar("T")
+
+log = logging.getLogger("tierckpt.client.journal")
 
 
 class AsyncCheckpointClient:
@@ -26,6 +31,11 @@ class AsyncCheckpointClient:
 
     ``transport`` replaces the network (tests, custom TLS); ``transfer`` tunes
     restore downloads.
+
+    ``journal`` (a file path) makes ``register`` survive an unreachable
+    service: the registration is kept in that local journal and replayed by a
+    background task (see :mod:`tierckpt.client.journal`). The task starts with
+    the client when created inside a running event loop, else on first use.
     """
 
     _restored: CheckpointRef | None = None
@@ -39,6 +49,7 @@ class AsyncCheckpointClient:
         retries: int = _api.RETRY_ATTEMPTS,
         transport: httpx.AsyncBaseTransport | None = None,
         transfer: TransferOptions | None = None,
+        journal: str | os.PathLike[str] | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         # 429/503/connection refused are retried with backoff this many times.
@@ -51,8 +62,29 @@ class AsyncCheckpointClient:
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
+        self._journal: _journal.RegistrationJournal | None = None
+        self._replayer: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._replayed = 0
+        if journal is not None:
+            self._journal = _journal.RegistrationJournal(journal)
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass  # started by the first call made inside a loop
+            else:
+                self._start_replayer()
+
+    def _start_replayer(self) -> None:
+        if self._journal is None or self._replayer is not None:
+            return
+        self._wake = asyncio.Event()
+        self._replayer = asyncio.get_running_loop().create_task(
+            self._replay_loop(), name="tierckpt-journal"
+        )
 
     async def __aenter__(self) -> AsyncCheckpointClient:
+        self._start_replayer()
         return self
 
     async def __aexit__(
@@ -64,7 +96,67 @@ class AsyncCheckpointClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the connections; pending journal entries stay in the file
+        (the next client on the same journal replays them)."""
+        if self._replayer is not None:
+            self._replayer.cancel()
+            try:
+                await self._replayer
+            except asyncio.CancelledError:
+                pass
+            self._replayer = None
         await self._http.aclose()
+
+    async def _replay_loop(self) -> None:
+        assert self._journal is not None and self._wake is not None
+        delay = _journal.BACKOFF_START
+        while True:
+            entries = self._journal.entries()
+            if not entries:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            entry_id, body = entries[0]
+            call = _api.Call("POST", "/v1/checkpoints", dict, body=body)
+            response: httpx.Response | None
+            try:
+                response = await self._http.request(**_api.request_args(call, self._token))
+            except Exception:  # the service is down
+                response = None
+            outcome = _journal.replay_outcome(response)
+            if outcome == "retry":
+                await asyncio.sleep(delay)
+                delay = _journal.next_backoff(delay)
+                continue
+            delay = _journal.BACKOFF_START
+            if outcome == "drop":
+                assert response is not None
+                log.warning(
+                    "dropping journaled registration of %s: the service refused it (%s)",
+                    _journal.describe(body),
+                    _api.error_from_response(response),
+                )
+            self._journal.mark_done(entry_id)
+            if outcome == "done":
+                self._replayed += 1
+
+    async def flush_journal(self, timeout: float | None = None) -> int:
+        """Wait until every journaled registration reached the service;
+        returns how many were replayed (accepted) since the last flush.
+        Refused ones (4xx) are dropped with a warning and not counted.
+        Raises TimeoutError after ``timeout`` seconds."""
+        if self._journal is None:
+            return 0
+        self._start_replayer()
+        deadline = _api.wait_deadline(timeout)
+        while len(self._journal):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{len(self._journal)} journaled registrations still pending after {timeout} s"
+                )
+            await asyncio.sleep(0.05)
+        replayed, self._replayed = self._replayed, 0
+        return replayed
 
     async def _send(self, call: Call[T]) -> T:
         attempt = 0
@@ -102,25 +194,44 @@ class AsyncCheckpointClient:
         """Register a checkpoint written at ``path``; returns at once (202).
 
         ``parent`` defaults to the checkpoint this client restored last (then
-        forgotten); pass None for no parent."""
+        forgotten); pass None for no parent.
+
+        With a ``journal``, an unreachable service (no answer, timeout, 503)
+        does not raise: the registration is journaled and the returned
+        Checkpoint has ``state="pending_registration"`` until the background
+        replay registers it (``flush_journal`` waits for that). A 4xx still
+        raises at once."""
         if isinstance(parent, _api._AutoParent):
             parent, self._restored = self._restored, None
-        return await self._send(
-            _api.register(
-                run,
-                step,
-                path,
-                rank=rank,
-                world_size=world_size,
-                metrics=metrics,
-                parent=parent,
-                priority=priority,
-                epoch=epoch,
-                metadata=metadata,
-                files=files,
-                write_seconds=write_seconds,
-            )
+        call = _api.register(
+            run,
+            step,
+            path,
+            rank=rank,
+            world_size=world_size,
+            metrics=metrics,
+            parent=parent,
+            priority=priority,
+            epoch=epoch,
+            metadata=metadata,
+            files=files,
+            write_seconds=write_seconds,
         )
+        if self._journal is None:
+            return await self._send(call)
+        self._start_replayer()
+        try:
+            return await self._send(call)
+        except ServerError as exc:
+            if not _journal.should_journal(exc):
+                raise
+            self._journal.append(call.body)
+            assert self._wake is not None
+            self._wake.set()
+            log.warning(
+                "journaled registration of %s: %s", _journal.describe(call.body), exc.message
+            )
+            return _journal.pending_checkpoint(call.body)
 
     async def get(self, run: str, step: int) -> Checkpoint:
         return await self._send(_api.get(run, step))

@@ -8,7 +8,9 @@ parallel downloader.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -19,13 +21,16 @@ from typing import Any, TypeVar
 import httpx
 
 from . import _api
+from . import journal as _journal
 from ._api import DEFAULT_URL, USER_AGENT, Call, FilesLike, ParentLike
 from ._download import TransferOptions
-from .errors import NotFoundError, error_from_transport
+from .errors import NotFoundError, ServerError, error_from_transport
 from .models import Advice, Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
 from .restore import Progress, check_destination, restore_from_plan
 
 T = TypeVar("T")
+
+log = logging.getLogger("tierckpt.client.journal")
 
 
 def _run_blocking(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -45,6 +50,10 @@ class CheckpointClient:
     ``transport`` replaces the network for API calls; ``async_transport`` for
     restore downloads (defaults to ``transport`` when it can serve both, as
     ``httpx.MockTransport`` does). ``transfer`` tunes restore downloads.
+
+    ``journal`` (a file path) makes ``register`` survive an unreachable
+    service: the registration is kept in that local journal and replayed by a
+    background thread (see :mod:`tierckpt.client.journal`).
     """
 
     _restored: CheckpointRef | None = None
@@ -59,6 +68,7 @@ class CheckpointClient:
         transport: httpx.BaseTransport | None = None,
         async_transport: httpx.AsyncBaseTransport | None = None,
         transfer: TransferOptions | None = None,
+        journal: str | os.PathLike[str] | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         # 429/503/connection refused are retried with backoff this many times.
@@ -75,6 +85,18 @@ class CheckpointClient:
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
+        self._journal: _journal.RegistrationJournal | None = None
+        self._replayer: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._changed = threading.Condition()
+        self._replayed = 0
+        if journal is not None:
+            self._journal = _journal.RegistrationJournal(journal)
+            self._replayer = threading.Thread(
+                target=self._replay_loop, name="tierckpt-journal", daemon=True
+            )
+            self._replayer.start()
 
     def __enter__(self) -> CheckpointClient:
         return self
@@ -88,7 +110,71 @@ class CheckpointClient:
         self.close()
 
     def close(self) -> None:
+        """Close the connections; pending journal entries stay in the file
+        (the next client on the same journal replays them)."""
+        if self._replayer is not None:
+            self._stop.set()
+            self._wake.set()
+            self._replayer.join(self._timeout + 5)
         self._http.close()
+
+    def _replay_loop(self) -> None:
+        assert self._journal is not None
+        delay = _journal.BACKOFF_START
+        while not self._stop.is_set():
+            entries = self._journal.entries()
+            if not entries:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            entry_id, body = entries[0]
+            response: httpx.Response | None
+            try:
+                response = self._http.request(
+                    **_api.request_args(
+                        _api.Call("POST", "/v1/checkpoints", dict, body=body), self._token
+                    )
+                )
+            except Exception:  # the service is down, or this client is closing
+                response = None
+            outcome = _journal.replay_outcome(response)
+            if outcome == "retry":
+                self._stop.wait(delay)
+                delay = _journal.next_backoff(delay)
+                continue
+            delay = _journal.BACKOFF_START
+            if outcome == "drop":
+                assert response is not None
+                log.warning(
+                    "dropping journaled registration of %s: the service refused it (%s)",
+                    _journal.describe(body),
+                    _api.error_from_response(response),
+                )
+            with self._changed:  # flush_journal reads both under this lock
+                self._journal.mark_done(entry_id)
+                if outcome == "done":
+                    self._replayed += 1
+                self._changed.notify_all()
+
+    def flush_journal(self, timeout: float | None = None) -> int:
+        """Wait until every journaled registration reached the service;
+        returns how many were replayed (accepted) since the last flush.
+        Refused ones (4xx) are dropped with a warning and not counted.
+        Raises TimeoutError after ``timeout`` seconds."""
+        if self._journal is None:
+            return 0
+        deadline = _api.wait_deadline(timeout)
+        with self._changed:
+            while len(self._journal):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"{len(self._journal)} journaled registrations still pending "
+                        f"after {timeout} s"
+                    )
+                self._changed.wait(0.5 if remaining is None else min(0.5, remaining))
+            replayed, self._replayed = self._replayed, 0
+        return replayed
 
     def _send(self, call: Call[T]) -> T:
         attempt = 0
@@ -126,25 +212,42 @@ class CheckpointClient:
         """Register a checkpoint written at ``path``; returns at once (202).
 
         ``parent`` defaults to the checkpoint this client restored last (then
-        forgotten); pass None for no parent."""
+        forgotten); pass None for no parent.
+
+        With a ``journal``, an unreachable service (no answer, timeout, 503)
+        does not raise: the registration is journaled and the returned
+        Checkpoint has ``state="pending_registration"`` until the background
+        replay registers it (``flush_journal`` waits for that). A 4xx still
+        raises at once."""
         if isinstance(parent, _api._AutoParent):
             parent, self._restored = self._restored, None
-        return self._send(
-            _api.register(
-                run,
-                step,
-                path,
-                rank=rank,
-                world_size=world_size,
-                metrics=metrics,
-                parent=parent,
-                priority=priority,
-                epoch=epoch,
-                metadata=metadata,
-                files=files,
-                write_seconds=write_seconds,
-            )
+        call = _api.register(
+            run,
+            step,
+            path,
+            rank=rank,
+            world_size=world_size,
+            metrics=metrics,
+            parent=parent,
+            priority=priority,
+            epoch=epoch,
+            metadata=metadata,
+            files=files,
+            write_seconds=write_seconds,
         )
+        if self._journal is None:
+            return self._send(call)
+        try:
+            return self._send(call)
+        except ServerError as exc:
+            if not _journal.should_journal(exc):
+                raise
+            self._journal.append(call.body)
+            self._wake.set()
+            log.warning(
+                "journaled registration of %s: %s", _journal.describe(call.body), exc.message
+            )
+            return _journal.pending_checkpoint(call.body)
 
     def get(self, run: str, step: int) -> Checkpoint:
         return self._send(_api.get(run, step))
