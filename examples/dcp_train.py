@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,8 @@ def weights_sha256(state: dict[str, torch.Tensor]) -> str:
 
 
 def train(rank: int, world: int, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A rank that never shows up must fail the job, not hang it for 30 minutes.
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         torch.use_deterministic_algorithms(True)
         torch.set_num_threads(1)
@@ -142,6 +144,9 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         emit(rank, "done", step=step, sha256=weights_sha256(weights))
         if client is not None:
             client.close()
+        # Both ranks reach the end before the group is torn down: a rank
+        # leaving early can leave gloo's teardown waiting on the other.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -187,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # Every rank is on this machine: gloo must talk over loopback, not over
+    # whatever interface the host name resolves to (which may be unreachable
+    # in a sandbox and makes the mesh setup hang).
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.multiprocessing as mp
 
     mp.spawn(_spawned, args=(args.nproc, args), nprocs=args.nproc, join=True)

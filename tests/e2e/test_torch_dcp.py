@@ -37,13 +37,17 @@ RUN = "dcp"
 
 
 def launch(*args: str, log: Path) -> list[dict[str, Any]]:
-    """Run the 2-rank job to its end; rank 0's events."""
-    done = subprocess.run(
-        [sys.executable, str(DCP_TRAIN), "--run", RUN, "--every", "4", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    """Run the 2-rank job to its end; rank 0's events.
+
+    The 2-rank gloo job has been seen to hang now and then on this 2-core
+    sandbox (not yet understood; the job itself is deterministic): one
+    relaunch after a timeout, and the hang is counted in the log."""
+    command = [sys.executable, str(DCP_TRAIN), "--run", RUN, "--every", "4", *args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as hung:
+        log.with_suffix(".hung").write_text(str(hung.stdout or "") + str(hung.stderr or ""))
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     log.write_text(done.stdout + done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
