@@ -127,6 +127,11 @@ def agent_settings(work: Path, ssd: Path, seaweed: SeaweedServer, name: str) -> 
         "catalog": {"url": f"sqlite+aiosqlite:///{work / f'{name}-catalog.db'}"},
         # keep_last: T0 eviction must never remove the shared benchmark files.
         "local": {"roots": [str(ssd)], "keep_last": 1000},
+        # dedup off: the scenarios re-register the same dataset (hard links,
+        # see data.link_copy) every repetition, which dedup would copy
+        # server-side instead of uploading; they measure the pipeline on new
+        # bytes. The `dedup` scenario starts its own agents with it on.
+        "upload": {"dedup": False},
         "regions": [
             {
                 "name": "bench-east",

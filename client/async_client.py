@@ -16,7 +16,7 @@ import httpx
 from . import _api
 from . import journal as _journal
 from ._api import DEFAULT_URL, USER_AGENT, Call, FilesLike, ParentLike
-from ._download import TransferOptions
+from ._download import TransferOptions, download_transport
 from .errors import NotFoundError, ServerError, error_from_transport
 from .models import Advice, Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
 from .restore import Progress, check_destination, restore_from_plan
@@ -56,6 +56,8 @@ class AsyncCheckpointClient:
         self.retries = retries
         self._token = token
         self._transfer = transfer or TransferOptions()
+        # Restores download through a tuned transport unless given one.
+        self._download_transport = transport
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=timeout,
@@ -327,15 +329,28 @@ class AsyncCheckpointClient:
         or be empty); returns ``dest``. Falls back across regions."""
         check_destination(dest)
         plan = await self.restore_plan(run, step, region=region, rank=rank)
-        restored = await restore_from_plan(
-            plan,
-            dest,
-            http=self._http,
-            token=self._token,
-            rank=rank,
-            progress=progress,
-            options=self._transfer,
-        )
+        own = self._download_transport is None
+        http = self._http
+        if own:
+            http = httpx.AsyncClient(
+                base_url=self.base_url,
+                timeout=self._http.timeout,
+                transport=download_transport(self._transfer),
+                headers={"User-Agent": USER_AGENT},
+            )
+        try:
+            restored = await restore_from_plan(
+                plan,
+                dest,
+                http=http,
+                token=self._token,
+                rank=rank,
+                progress=progress,
+                options=self._transfer,
+            )
+        finally:
+            if own:
+                await http.aclose()
         self._restored = CheckpointRef(run=plan.run, step=plan.step)
         return restored
 

@@ -23,7 +23,7 @@ import httpx
 from . import _api
 from . import journal as _journal
 from ._api import DEFAULT_URL, USER_AGENT, Call, FilesLike, ParentLike
-from ._download import TransferOptions
+from ._download import TransferOptions, download_transport
 from .errors import NotFoundError, ServerError, error_from_transport
 from .models import Advice, Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
 from .restore import Progress, check_destination, restore_from_plan
@@ -348,7 +348,7 @@ class CheckpointClient:
             http = httpx.AsyncClient(
                 base_url=self.base_url,
                 timeout=self._timeout,
-                transport=self._async_transport,
+                transport=self._async_transport or download_transport(self._transfer),
                 headers={"User-Agent": USER_AGENT},
             )
             try:

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from .advice.routes import router as advice_router
 from .checkpoints.routes import router as checkpoints_router
 from .config import Settings
-from .db import create_engine, create_sessionmaker
+from .db import create_engine, create_read_sessionmaker, create_sessionmaker
 from .errors import install_error_handlers
 from .health.routes import router as health_router
 from .integrity.jobs import VerifyJobs
@@ -45,7 +45,11 @@ async def open_resources(settings: Settings, *, start_worker: bool = True) -> Re
             # A region that is down must not stop the agent: its jobs retry.
             log.warning("region %s not ready: %s", store.region, exc)
     resources = Resources(
-        settings=settings, engine=engine, sessionmaker=create_sessionmaker(engine), stores=stores
+        settings=settings,
+        engine=engine,
+        sessionmaker=create_sessionmaker(engine),
+        read_sessionmaker=create_read_sessionmaker(engine),
+        stores=stores,
     )
     if start_worker and settings.worker.enabled:
         handlers = {
@@ -73,6 +77,8 @@ async def close_resources(resources: Resources) -> None:
         await resources.scrubber.stop()
     if resources.worker is not None:
         await resources.worker.stop()
+    if resources.registrations is not None:
+        await resources.registrations.close()
     await resources.stores.aclose()
     await resources.engine.dispose()
 

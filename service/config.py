@@ -135,6 +135,17 @@ class UploadSettings(BaseModel):
     part_size_mb: int = Field(16, ge=5, le=512)
     parts_in_flight: int = Field(8, ge=1, le=256)
     files_in_flight: int = Field(8, ge=1, le=256)
+    # A file whose SHA-256 equals one already committed in the region is not
+    # sent again but copied server-side into its own key (CopyObject /
+    # UploadPartCopy, or an in-kernel copy on POSIX): checkpoints that leave
+    # most files unchanged (frozen layers, data-loader state) cost only their
+    # changed bytes. false: every byte is always sent (e.g. to measure the
+    # pipeline on new bytes). See service/uploads/dedup.py.
+    dedup: bool = True
+    # Upload a single-shard checkpoint from T0 to every region at once rather
+    # than primary first, then replicate: register -> replicated then takes
+    # about as long as register -> durable (the regions fill in parallel).
+    fan_out: bool = True
 
 
 class WorkerSettings(BaseModel):

@@ -7,7 +7,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import Engine, event
+from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -25,8 +26,29 @@ def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_async_engine(url, connect_args={"timeout": 30}, **kwargs)
+    _sqlite_transactions(engine.sync_engine)
+    return engine
 
-    @event.listens_for(engine.sync_engine, "connect")
+
+def create_sync_engine(engine: AsyncEngine) -> Engine | None:
+    """A synchronous (pysqlite) engine on the same SQLite file as ``engine``,
+    with the same settings, for work that runs whole in one worker thread
+    (the registration writer); None for PostgreSQL or an in-memory database."""
+    url = engine.url
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return None
+    sync = sa_create_engine(
+        url.set(drivername="sqlite"),
+        connect_args={"timeout": 30, "check_same_thread": False},
+        pool_size=1,
+        max_overflow=1,
+    )
+    _sqlite_transactions(sync)
+    return sync
+
+
+def _sqlite_transactions(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take transaction control from the driver so BEGIN IMMEDIATE below is
         # what actually starts a transaction.
@@ -41,18 +63,31 @@ def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
         cursor.execute("PRAGMA busy_timeout=30000")
         cursor.close()
 
-    @event.listens_for(engine.sync_engine, "begin")
+    @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
         # SQLite is the single-writer path: taking the write lock at BEGIN
         # means a transaction never fails half-way with SQLITE_BUSY when it
         # upgrades from reading to writing; it waits its turn instead.
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-    return engine
+        # Read-only sessions (GET requests) take no lock at all: in WAL mode
+        # they read a snapshot beside the writer instead of queueing behind
+        # it (and holding up the uploads' and registrations' commits).
+        if conn.get_execution_options().get(READ_ONLY):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+READ_ONLY = "tierckpt_read_only"
+
+
+def create_read_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    """Sessions for requests that only read (see ``_on_begin``); on
+    PostgreSQL the option changes nothing."""
+    return async_sessionmaker(engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
 
 @asynccontextmanager

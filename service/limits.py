@@ -27,9 +27,15 @@ class BodySizeLimit:
             return
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
-            return
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.max_bytes:
+                await self._reject(send)
+                return
+            if b"transfer-encoding" not in headers:
+                # The HTTP server delivers no more than the declared length:
+                # nothing to count (and no wrapper on every message).
+                await self.app(scope, receive, send)
+                return
         seen = 0
         started = False
         rejected = False

@@ -26,10 +26,13 @@ def migrate(config_path: str | None = None) -> None:
 def serve(config_path: str | None = None) -> None:
     import uvicorn
 
+    from .allocator import return_large_buffers_to_os
     from .app import create_app
     from .migrate import upgrade
     from .observability.logs import configure_logging
 
+    # Before any part buffer exists: bounded parts must mean bounded RSS.
+    return_large_buffers_to_os()
     settings = _settings_or_exit(config_path)
     # JSON lines (with request and job context) unless a person is watching.
     configure_logging(settings.server.log_format)

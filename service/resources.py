@@ -11,6 +11,7 @@ from .config import Settings
 from .storage.factory import Stores
 
 if TYPE_CHECKING:
+    from .checkpoints.batching import RegistrationBatcher
     from .integrity.scrub import Scrubber
     from .jobs.worker import Worker
     from .retention.sweeper import RetentionSweeper
@@ -22,9 +23,13 @@ class Resources:
     engine: AsyncEngine
     sessionmaker: async_sessionmaker[AsyncSession]
     stores: Stores
+    # For GET requests: no write lock taken on SQLite (db.create_read_sessionmaker).
+    read_sessionmaker: async_sessionmaker[AsyncSession] | None = field(default=None)
     worker: Worker | None = field(default=None)
     scrubber: Scrubber | None = field(default=None)
     sweeper: RetentionSweeper | None = field(default=None)
+    # The registration writer (group commit), made on first use.
+    registrations: RegistrationBatcher | None = field(default=None)
 
     def wake_worker(self) -> None:
         if self.worker is not None:

@@ -17,7 +17,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from . import (
+    catalog_latest,
     cpu,
+    dedup,
+    memory,
     register_latency,
     registration_rate,
     restore,
@@ -34,6 +37,9 @@ SCENARIOS: list[ModuleType] = [
     two_regions,
     registration_rate,
     trainer_stall,
+    catalog_latest,
+    dedup,
+    memory,
 ]
 
 

@@ -119,6 +119,8 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             "warm-up each; sync CheckpointClient.register over keep-alive HTTP, SQLite catalog.",
             "Separate agent with TIERCKPT_WORKER__ENABLED=false: nothing uploads during the "
             f"test (the sparse file has {allocated} bytes allocated on disk).",
+            "Sequential client: each registration is a group-commit batch of its own, so this "
+            "is one catalog transaction including its fsync (SQLite synchronous=FULL).",
         ],
         "details": {
             "registrations_per_round": count,

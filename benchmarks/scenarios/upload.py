@@ -3,14 +3,14 @@
 Variants, each repeated ``ctx.reps`` times in a rotating order (so drift on a
 shared machine hits them all alike), each time to a fresh step / key prefix:
 
-- ``tierckpt``: one POST /v1/checkpoints, then GET every 20 ms until
-  ``durable``. Timed from just before the POST to the first answer that says
-  ``durable``. The poll asks for the step's list entry
-  (``/v1/runs/{run}/checkpoints?min_step=S&max_step=S``), which is
-  ``/v1/runs/{run}/checkpoints/{step}`` without the file list: the agent
-  serves 50 polls a second on the same 2 cores it uploads with, and the
-  detail costs it several times more CPU (both costs are measured and
-  reported).
+- ``tierckpt``: one POST /v1/checkpoints, then GET every 250 ms until
+  ``durable``. Timed as the POST's round trip plus the catalog's own
+  created_at → durable_at (which the POST's round trip overlaps, so the sum
+  slightly over-counts). Polling is sparse on purpose: every poll costs the
+  agent CPU on the same 2 cores it uploads with (measured and reported), and
+  a 50 Hz poll, as in the first version of this benchmark, took ~10% of the
+  machine from the upload it was timing. The client-seen time (first poll
+  that says ``durable``, up to 250 ms late) is kept as a second row.
 - ``boto3 default``: ``upload_file`` per file, one file after another (what a
   user script does), default TransferConfig (8 MiB parts, 10 threads).
 - ``boto3 tuned``: the same with 16 MiB parts and 16 threads.
@@ -48,7 +48,7 @@ RUN = "bench-upload"
 TINY_RUN = "bench-tiny"
 TINY_BYTES = 4096
 TINY_PER_REP = 8
-POLL_SECONDS = 0.02
+POLL_SECONDS = 0.25
 DURABLE_TIMEOUT = 900.0
 POOL_FILES = 8
 TUNED = {"multipart_chunksize": 16 * MiB, "max_concurrency": 16}
@@ -99,19 +99,22 @@ def measure_tierckpt(ctx: BenchContext, rep: int) -> dict[str, Any]:
         before = _cpu_marks(ctx)
         began = time.perf_counter()
         client.register(RUN, step, dataset.root)
+        register_seconds = time.perf_counter() - began
         polls = _durable_poll(http, step, time.monotonic() + DURABLE_TIMEOUT)
-        seconds = time.perf_counter() - began
+        client_seconds = time.perf_counter() - began
         after = _cpu_marks(ctx)
         detail = client.get(RUN, step)
     if detail.total_bytes != ctx.dataset.total_bytes or len(detail.files) != len(dataset.files):
         raise RuntimeError(f"{RUN}:{step}: catalog disagrees with the dataset: {detail}")
-    server_seconds = None
-    if detail.created_at and detail.durable_at:
-        server_seconds = (detail.durable_at - detail.created_at).total_seconds()
+    if not (detail.created_at and detail.durable_at):
+        raise RuntimeError(f"{RUN}:{step}: durable without created_at/durable_at: {detail}")
+    server_seconds = (detail.durable_at - detail.created_at).total_seconds()
     steps = ctx.shared.setdefault("upload_steps", [])
     steps.append(step)
     return {
-        "seconds": seconds,
+        "seconds": register_seconds + server_seconds,
+        "client_seconds": client_seconds,
+        "register_seconds": register_seconds,
         "server_seconds": server_seconds,
         "polls": polls,
         "step": step,
@@ -294,7 +297,8 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             "throughput",
             "MB/s",
             mbps["tierckpt"],
-            note="register → durable: + SHA-256 of every file, MANIFEST.json, catalog rows",
+            note="register round trip + catalog created_at → durable_at; + SHA-256 of "
+            "every file, MANIFEST.json, catalog rows",
         )
     ]
     for name in names[1:]:
@@ -309,19 +313,18 @@ def run(ctx: BenchContext) -> dict[str, Any]:
                 note="no content hash kept, no manifest, no catalog",
             )
         )
-    server = [r["server_seconds"] for r in results["tierckpt"] if r["server_seconds"]]
-    if len(server) == len(results["tierckpt"]):
-        rows.append(
-            row(
-                "tierckpt (server clock)",
-                "throughput",
-                "MB/s",
-                [size / s / MB for s in server],
-                ratio_label="server / client-seen",
-                ratio_values=ratios([size / s for s in server], [m * MB for m in mbps["tierckpt"]]),
-                note="created_at → durable_at from the catalog (no polling delay)",
-            )
+    client_seen = [size / r["client_seconds"] / MB for r in results["tierckpt"]]
+    rows.append(
+        row(
+            "tierckpt (client-seen)",
+            "throughput",
+            "MB/s",
+            client_seen,
+            ratio_label="client-seen / headline",
+            ratio_values=ratios(client_seen, mbps["tierckpt"]),
+            note=f"first poll that says durable (polls every {POLL_SECONDS * 1000:.0f} ms)",
         )
+    )
     rows.extend(_tiny_rows(tiny))
     ctx.shared["upload"] = {
         "results": results,

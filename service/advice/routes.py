@@ -14,7 +14,7 @@ from .service import AdviceService
 router = APIRouter(prefix="/v1", tags=["advice"])
 
 
-def get_advice_service(session: SessionDep) -> AdviceService:
+async def get_advice_service(session: SessionDep) -> AdviceService:
     return AdviceService(session)
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, Select, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
@@ -92,6 +93,29 @@ async def latest_valid(
     replica count is checked again here so a replica marked corrupt since
     can never make an invalid checkpoint the answer.
     """
+    return await session.scalar(
+        _latest_valid_statement(Checkpoint.run_id == run_id, min_regions, region)
+    )
+
+
+async def latest_valid_of_run(
+    session: AsyncSession, run: str, min_regions: int, region: str | None = None
+) -> Checkpoint | None:
+    """``latest_valid`` by run name, in one round trip (no separate run lookup)."""
+    run_id = select(Run.id).where(Run.name == run).scalar_subquery()
+    return await session.scalar(
+        _latest_valid_statement(Checkpoint.run_id == run_id, min_regions, region)
+    )
+
+
+def _latest_valid_statement(
+    of_run: ColumnElement[bool], min_regions: int, region: str | None
+) -> Select[Any]:  # Select[Checkpoint] on SQLAlchemy 2.1, Select[tuple[...]] on 2.0
+    # Plan (both databases, checked with EXPLAIN at 100,000 checkpoints): walk
+    # the (run_id, step) unique index backwards from the highest step and stop
+    # at the first row passing the filters, each replica test an index probe
+    # on (checkpoint_id[, region]). `step` is unique within a run, so the
+    # created_at tie-break never reorders anything.
     good = (
         select(func.count())
         .select_from(Replica)
@@ -102,7 +126,7 @@ async def latest_valid(
     statement = (
         select(Checkpoint)
         .where(
-            Checkpoint.run_id == run_id,
+            of_run,
             Checkpoint.state.in_(VALID_STATES),
             Checkpoint.quarantined_at.is_(None),
             good >= min_regions,
@@ -122,7 +146,26 @@ async def latest_valid(
             .exists()
         )
         statement = statement.where(in_region)
-    return await session.scalar(statement)
+    return statement
+
+
+async def shards_with_files(
+    session: AsyncSession, checkpoint_id: int
+) -> tuple[list[Shard], list[tuple[int, File]]]:
+    """A checkpoint's shards (by rank) and their files (by rank, path) in one query."""
+    rows = await session.execute(
+        select(Shard, File)
+        .outerjoin(File, File.shard_id == Shard.id)
+        .where(Shard.checkpoint_id == checkpoint_id)
+        .order_by(Shard.rank, File.path)
+    )
+    shards: dict[int, Shard] = {}
+    files: list[tuple[int, File]] = []
+    for shard, file in rows:
+        shards.setdefault(shard.id, shard)
+        if file is not None:
+            files.append((shard.rank, file))
+    return list(shards.values()), files
 
 
 async def list_checkpoints(

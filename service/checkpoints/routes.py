@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import Response
 
-from ..auth import Action, authorize
+from ..auth import Action, Principal, authenticate, authorize
 from ..deps import CheckpointServiceDep, PrincipalDep
 from ..models import CheckpointState
+from ..resources import Resources
 from .schemas import (
     CheckpointOut,
     CheckpointPage,
@@ -19,8 +20,18 @@ from .schemas import (
     RegisterRequest,
     RestorePlan,
 )
+from .service import CheckpointService, submit_registration
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"])
+
+
+async def _caller(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
+    # The hot path's own dependency: async (FastAPI runs a sync one in a
+    # worker thread) and without a catalog session (group commit has its own).
+    resources: Resources = request.app.state.resources
+    return authenticate(authorization, resources.settings.tokens)
 
 
 @router.post(
@@ -30,11 +41,23 @@ router = APIRouter(prefix="/v1", tags=["checkpoints"])
     responses={200: {"model": CheckpointOut, "description": "already registered, same content"}},
 )
 async def register_checkpoint(
-    body: RegisterRequest, service: CheckpointServiceDep, principal: PrincipalDep
-) -> JSONResponse:
+    body: RegisterRequest,
+    request: Request,
+    principal: Annotated[Principal, Depends(_caller)],
+) -> Response:
     authorize(principal, Action.WRITE, body.run)
-    checkpoint, created = await service.register(body)
-    return JSONResponse(checkpoint.model_dump(mode="json"), status_code=202 if created else 200)
+    resources: Resources = request.app.state.resources
+    outcome = await submit_registration(resources, body)
+    checkpoint = outcome.record
+    if checkpoint is None:
+        # It existed before (another rank, a re-register): read it back.
+        async with resources.sessionmaker() as session:
+            checkpoint = await CheckpointService(session, resources).registered(body, outcome)
+    return Response(
+        checkpoint.model_dump_json(),
+        status_code=202 if outcome.created else 200,
+        media_type="application/json",
+    )
 
 
 @router.get("/runs/{run}/checkpoints", response_model=CheckpointPage)

@@ -19,6 +19,10 @@ from ..errors import BadInput
 _FORBIDDEN_CHARS = {chr(c) for c in range(32)} | {"\x7f", "\\"}
 
 
+class ScanTooLarge(Exception):
+    """More entries than the caller allowed for a scan on the event loop."""
+
+
 @dataclass(frozen=True)
 class ScannedFile:
     path: str  # relative, '/'-separated
@@ -65,7 +69,20 @@ def _check_name(relative: str, max_path_length: int) -> None:
         ) from exc
 
 
-def scan(path: str, roots: list[Path], *, max_files: int, max_path_length: int) -> ScannedShard:
+def scan(
+    path: str,
+    roots: list[Path],
+    *,
+    max_files: int,
+    max_path_length: int,
+    max_entries: int | None = None,
+) -> ScannedShard:
+    """List ``path`` (a file or a directory tree) under ``roots``.
+
+    With ``max_entries``, a directory with more entries than that raises
+    ``ScanTooLarge`` as soon as it is seen to: the caller scans small
+    checkpoints inline and hands large ones to a thread.
+    """
     if "\x00" in path or len(path.encode("utf-8", "surrogateescape")) > max_path_length:
         raise BadInput("path is too long or contains a NUL byte", code="invalid_path")
     candidate = Path(path)
@@ -101,6 +118,7 @@ def scan(path: str, roots: list[Path], *, max_files: int, max_path_length: int) 
 
     files: list[ScannedFile] = []
     stack = [resolved]
+    seen = 0
     while stack:
         directory = stack.pop()
         try:
@@ -109,6 +127,9 @@ def scan(path: str, roots: list[Path], *, max_files: int, max_path_length: int) 
             raise BadInput(
                 f"cannot list {directory}: {exc.strerror}", code="path_unreadable"
             ) from exc
+        seen += len(entries)
+        if max_entries is not None and seen > max_entries:
+            raise ScanTooLarge(path)
         for entry in entries:
             full = Path(entry.path)
             relative = full.relative_to(resolved).as_posix()

@@ -7,23 +7,18 @@ import hashlib
 import json
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-from sqlalchemy import insert, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..errors import BadInput, Conflict, NotFound
-from ..jobs import queue
 from ..models import (
     PRIORITY,
     Checkpoint,
     CheckpointState,
     File,
-    Job,
-    JobKind,
-    JobState,
     Replica,
     ReplicaState,
     Shard,
@@ -33,7 +28,8 @@ from ..observability import metrics
 from ..resources import Resources
 from ..storage import layout
 from . import repository as repo
-from .scan import ScannedShard, scan
+from .batching import Outcome, Registration, batcher_for
+from .scan import ScannedShard, ScanTooLarge, scan
 from .schemas import (
     CheckpointOut,
     FileOut,
@@ -63,10 +59,47 @@ def replication_lag(checkpoint: Checkpoint, replica: Replica) -> float | None:
     return None
 
 
+# A directory with at most this many entries is listed on the event loop
+# (tens of microseconds); a larger one in a worker thread.
+INLINE_SCAN_ENTRIES = 64
+
+
 def fingerprint(shard: ScannedShard, hashes: dict[str, str]) -> str:
     """Identity of a registration's content: same files, sizes, mtimes, hashes."""
     entries = [[f.path, f.size, f.mtime_ns, hashes.get(f.path)] for f in shard.files]
     return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
+
+
+async def scan_checkpoint(resources: Resources, path: str) -> ScannedShard:
+    """List the checkpoint: inline when small (no thread hop), else in a thread."""
+    local = resources.settings.local
+    try:
+        return scan(
+            path,
+            local.roots,
+            max_files=local.max_files_per_checkpoint,
+            max_path_length=local.max_path_length,
+            max_entries=INLINE_SCAN_ENTRIES,
+        )
+    except ScanTooLarge:
+        return await asyncio.to_thread(
+            scan,
+            path,
+            local.roots,
+            max_files=local.max_files_per_checkpoint,
+            max_path_length=local.max_path_length,
+        )
+
+
+async def submit_registration(resources: Resources, request: RegisterRequest) -> Outcome:
+    """Scan and validate one registration, then hand it to the agent's group
+    commit; returns once it is committed (or refused)."""
+    scanned = await scan_checkpoint(resources, request.path)
+    hashes = CheckpointService._client_hashes(request, scanned)
+    registration = Registration(
+        request=request, scanned=scanned, hashes=hashes, fingerprint=fingerprint(scanned, hashes)
+    )
+    return await batcher_for(resources).submit(registration)
 
 
 class CheckpointService:
@@ -78,32 +111,23 @@ class CheckpointService:
     # -- register ------------------------------------------------------------
 
     async def register(self, request: RegisterRequest) -> tuple[CheckpointOut, bool]:
-        """Record a checkpoint shard and enqueue its upload; (record, created)."""
-        local = self.settings.local
-        scanned = await asyncio.to_thread(
-            scan,
-            request.path,
-            local.roots,
-            max_files=local.max_files_per_checkpoint,
-            max_path_length=local.max_path_length,
-        )
-        hashes = self._client_hashes(request, scanned)
-        print_ = fingerprint(scanned, hashes)
-        try:
-            created = await self._record(request, scanned, hashes, print_)
-        except IntegrityError:
-            # Another rank created the same run/checkpoint concurrently: the
-            # rows exist now, so one more attempt takes the normal path.
-            await self.session.rollback()
-            created = await self._record(request, scanned, hashes, print_)
-        # Committed before the answer leaves: a 202 means the registration
-        # survives a kill -9 of the agent right after it.
-        await self.session.commit()
-        if created:
-            self.r.wake_worker()
-            metrics.observe_registration(request.priority)
+        """Record a checkpoint shard and enqueue its upload; (record, created).
+
+        The scan and every check that needs no catalog happen in the request;
+        the catalog write is the agent's group commit (batching.py): this
+        returns once the transaction holding it is committed, so a 202 means
+        the registration survives a kill -9 of the agent right after it.
+        """
+        outcome = await submit_registration(self.r, request)
+        return await self.registered(request, outcome), outcome.created
+
+    async def registered(self, request: RegisterRequest, outcome: Outcome) -> CheckpointOut:
+        """The answer to a committed registration."""
+        if outcome.record is not None:
+            return outcome.record
+        # The checkpoint existed before this batch (another rank, a re-register).
         checkpoint = await self._checkpoint(request.run, request.step)
-        return await self.describe(request.run, checkpoint, with_files=False), created
+        return await self.describe(request.run, checkpoint, with_files=False)
 
     @staticmethod
     def _client_hashes(request: RegisterRequest, scanned: ScannedShard) -> dict[str, str]:
@@ -120,104 +144,6 @@ class CheckpointService:
                 )
             hashes[path] = entry.sha256.lower()
         return hashes
-
-    async def _record(
-        self, request: RegisterRequest, scanned: ScannedShard, hashes: dict[str, str], print_: str
-    ) -> bool:
-        session = self.session
-        run = await repo.get_or_create_run(session, request.run)
-        checkpoint = await repo.find_checkpoint(session, run.id, request.step, for_update=True)
-        if checkpoint is None:
-            checkpoint = Checkpoint(
-                run_id=run.id,
-                step=request.step,
-                state=CheckpointState.REGISTERED,
-                world_size=request.world_size,
-                epoch=request.epoch,
-                priority=request.priority,
-                metrics=request.metrics,
-                meta=request.metadata,
-                parent_run=request.parent.run if request.parent else None,
-                parent_step=request.parent.step if request.parent else None,
-                write_seconds=request.write_seconds,
-            )
-            session.add(checkpoint)
-            await session.flush()
-            prefix = layout.step_prefix(request.run, request.step)
-            for region, store in self.r.stores.items():
-                session.add(
-                    Replica(checkpoint_id=checkpoint.id, region=region, uri=store.uri(prefix))
-                )
-        elif checkpoint.world_size != request.world_size:
-            raise Conflict(
-                f"{request.run} step {request.step} is registered with world_size "
-                f"{checkpoint.world_size}, not {request.world_size}"
-            )
-
-        existing = next(
-            (s for s in await repo.shards_of(session, [checkpoint.id]) if s.rank == request.rank),
-            None,
-        )
-        if existing is not None:
-            if existing.fingerprint == print_:
-                if request.priority == "urgent" and checkpoint.priority != "urgent":
-                    # A preemption notice on a step already queued: promote it
-                    # (and its queued work) instead of leaving it behind others.
-                    checkpoint.priority = "urgent"
-                    await session.execute(
-                        update(Job)
-                        .where(Job.checkpoint_id == checkpoint.id, Job.state == JobState.QUEUED)
-                        .values(priority=PRIORITY["urgent"])
-                    )
-                return False
-            raise Conflict(
-                f"{request.run} step {request.step} rank {request.rank} is already registered "
-                "with different content; register the new content under a new step"
-            )
-        if checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED):
-            raise Conflict(
-                f"{request.run} step {request.step} is {checkpoint.state}"
-                f"{': ' + checkpoint.error if checkpoint.error else ''}; register a new step"
-            )
-
-        shard = Shard(
-            checkpoint_id=checkpoint.id,
-            rank=request.rank,
-            node=self.settings.server.node,
-            path=str(scanned.directory),
-            is_directory=scanned.is_directory,
-            fingerprint=print_,
-        )
-        session.add(shard)
-        await session.flush()
-        await session.execute(
-            insert(File),
-            [
-                {
-                    "shard_id": shard.id,
-                    "path": f.path,
-                    "size": f.size,
-                    "mtime_ns": f.mtime_ns,
-                    "expected_sha256": hashes.get(f.path),
-                }
-                for f in scanned.files
-            ],
-        )
-        checkpoint.total_bytes += scanned.total_bytes
-        checkpoint.file_count += len(scanned.files)
-        if request.priority == "urgent":
-            checkpoint.priority = "urgent"
-        await queue.enqueue(
-            session,
-            JobKind.UPLOAD,
-            checkpoint.id,
-            shard_id=shard.id,
-            region=self.settings.primary_region.name,
-            node=self.settings.server.node,
-            priority=PRIORITY[request.priority],
-            max_attempts=self.settings.worker.max_attempts,
-        )
-        return True
 
     # -- reads ---------------------------------------------------------------
 
@@ -360,28 +286,43 @@ class CheckpointService:
                 f"unknown region {region!r}; configured: {', '.join(self.r.stores)}",
                 code="unknown_region",
             )
-        run_row = await repo.find_run(self.session, run)
-        checkpoint = None
-        if run_row is not None:
-            checkpoint = await repo.latest_valid(
-                self.session, run_row.id, self.settings.durability.min_regions, region
-            )
+        # The same answer as describe(with_files=True), in four catalog round
+        # trips instead of seven (each one is several thread hops on SQLite):
+        # run and checkpoint together, shards and files together.
+        session = self.session
+        checkpoint = await repo.latest_valid_of_run(
+            session, run, self.settings.durability.min_regions, region
+        )
         if checkpoint is None:
             where = f" in region {region}" if region else ""
             raise NotFound(
                 f"run {run!r} has no valid checkpoint{where} yet", code="no_valid_checkpoint"
             )
-        out = await self.describe(run, checkpoint, with_files=True)
+        shards, files = await repo.shards_with_files(session, checkpoint.id)
+        replicas = await repo.replicas_of(session, [checkpoint.id])
+        children = await repo.children_of(session, run, checkpoint.step)
+        out = self._to_out(
+            run,
+            checkpoint,
+            shards,
+            replicas,
+            children,
+            [FileOut(rank=rank, path=f.path, size=f.size, sha256=f.sha256) for rank, f in files],
+        )
         locations = [
             LocationOut(region=r.region, uri=r.uri)
             for r in out.replicas
             if r.state == ReplicaState.COMMITTED
         ]
-        local = await self._local_copy(checkpoint, out, node)
-        return LatestOut(**out.model_dump(), locations=locations, local=local)
+        local = await self._local_copy(checkpoint, out, node, files)
+        return LatestOut(**dict(out), locations=locations, local=local)
 
     async def _local_copy(
-        self, checkpoint: Checkpoint, out: CheckpointOut, node: str | None
+        self,
+        checkpoint: Checkpoint,
+        out: CheckpointOut,
+        node: str | None,
+        files: Sequence[tuple[int, File]],
     ) -> LocalCopyOut | None:
         """The T0 copy, only when this agent is that node and can check the
         files are still exactly what was uploaded (size and mtime)."""
@@ -390,7 +331,6 @@ class CheckpointService:
         shard = out.shards[0]
         if shard.node != node:
             return None
-        files = await repo.files_of(self.session, checkpoint.id)
 
         def intact() -> bool:
             for _rank, f in files:

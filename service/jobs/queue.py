@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import random
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..db import dialect_name
@@ -29,6 +30,44 @@ class LeaseLost(Exception):
 
 def dedupe_key(kind: str, checkpoint_id: int, shard_id: int | None, region: str | None) -> str:
     return f"{kind}:{checkpoint_id}:{shard_id or '-'}:{region or '-'}"
+
+
+def job_values(
+    kind: str,
+    checkpoint_id: int,
+    *,
+    shard_id: int | None = None,
+    region: str | None = None,
+    node: str | None = None,
+    priority: int = 0,
+    payload: dict[str, Any] | None = None,
+    max_attempts: int = 10,
+    delay_seconds: float = 0.0,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """The row of a new queued job (for ``enqueue`` and ``enqueue_many``)."""
+    now = now or utcnow()
+    return {
+        "kind": kind,
+        "state": JobState.QUEUED.value,
+        "priority": priority,
+        "checkpoint_id": checkpoint_id,
+        "shard_id": shard_id,
+        "region": region,
+        "node": node,
+        "payload": payload or {},
+        "dedupe_key": dedupe_key(kind, checkpoint_id, shard_id, region),
+        "attempts": 0,
+        "max_attempts": max_attempts,
+        "run_after": now + timedelta(seconds=delay_seconds),
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
+def _insert_ignoring_active(dialect_name_: str) -> Any:
+    dialect = postgresql if dialect_name_ == "postgresql" else sqlite
+    return dialect.insert(Job).on_conflict_do_nothing(index_elements=["dedupe_key"])
 
 
 async def enqueue(
@@ -49,28 +88,28 @@ async def enqueue(
     Call it inside the transaction that creates the row the job is about, so
     the two commit (or vanish) together.
     """
-    values = {
-        "kind": kind,
-        "state": JobState.QUEUED,
-        "priority": priority,
-        "checkpoint_id": checkpoint_id,
-        "shard_id": shard_id,
-        "region": region,
-        "node": node,
-        "payload": payload or {},
-        "dedupe_key": dedupe_key(kind, checkpoint_id, shard_id, region),
-        "max_attempts": max_attempts,
-        "run_after": utcnow() + timedelta(seconds=delay_seconds),
-    }
-    dialect = postgresql if dialect_name(session) == "postgresql" else sqlite
-    statement = (
-        dialect.insert(Job)
-        .values(**values)
-        .on_conflict_do_nothing(index_elements=["dedupe_key"])
-        .returning(Job.id)
+    values = job_values(
+        kind,
+        checkpoint_id,
+        shard_id=shard_id,
+        region=region,
+        node=node,
+        priority=priority,
+        payload=payload,
+        max_attempts=max_attempts,
+        delay_seconds=delay_seconds,
     )
+    statement = _insert_ignoring_active(dialect_name(session)).values(**values).returning(Job.id)
     result = await session.execute(statement)
     return result.scalar_one_or_none() is not None
+
+
+def enqueue_many(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    """Add several jobs (rows from ``job_values``) in one statement, skipping
+    any that is already active; same transaction rule as ``enqueue``. On a
+    synchronous connection (the registration writer's, see batching.py)."""
+    if rows:
+        conn.execute(_insert_ignoring_active(conn.dialect.name), rows)
 
 
 async def claim(
@@ -209,3 +248,21 @@ async def release_node_leases(session: AsyncSession, node: str) -> int:
         .execution_options(synchronize_session=False)
     )
     return result.rowcount or 0  # type: ignore[attr-defined]
+
+
+async def supersede(session: AsyncSession, job_id: int, reason: str) -> bool:
+    """Fail a job that has not started yet, because other work replaces it;
+    False if it is already running or over (then it is left alone)."""
+    result = await session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == JobState.QUEUED)
+        .values(
+            state=JobState.FAILED,
+            dedupe_key=None,
+            last_error=reason[:4000],
+            finished_at=utcnow(),
+            updated_at=utcnow(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]

@@ -44,8 +44,13 @@ class Checkpoint(Base):
     __tablename__ = "checkpoints"
     __table_args__ = (
         UniqueConstraint("run_id", "step"),
-        # `latest` walks this index backwards: run, state, highest step first.
+        # Checkpoints of a run in a state. (`latest` itself walks the
+        # (run_id, step) unique index backwards, highest step first: EXPLAIN
+        # on both databases, tests/integration/test_latest_catalog.py.)
         Index("ix_checkpoints_latest", "run_id", "state", "step"),
+        # A checkpoint's children (lineage, and every detail and `latest`
+        # answer) are looked up by their parent.
+        Index("ix_checkpoints_parent", "parent_run", "parent_step"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from .base import Base
@@ -10,7 +10,12 @@ from .base import Base
 
 class File(Base):
     __tablename__ = "files"
-    __table_args__ = (UniqueConstraint("shard_id", "path"),)
+    __table_args__ = (
+        UniqueConstraint("shard_id", "path"),
+        # Dedup asks "is a file with this SHA-256 already committed in the
+        # region?" for every large file it may skip (service/uploads/dedup.py).
+        Index("ix_files_sha256", "sha256"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"), index=True)

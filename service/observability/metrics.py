@@ -38,6 +38,14 @@ UPLOADED_BYTES = Counter(
     ["region"],
     registry=REGISTRY,
 )
+DEDUP_BYTES = Counter(
+    "tierckpt_dedup_bytes",
+    "Bytes of checkpoint files not sent because an identical file (same SHA-256 "
+    "and size) was already committed in the region: copied server-side instead. "
+    "Not counted in tierckpt_uploaded_bytes.",
+    ["region"],
+    registry=REGISTRY,
+)
 UPLOAD_SECONDS = Histogram(
     "tierckpt_upload_duration_seconds",
     "Time to upload one shard (read, hash and upload every file) into the primary region.",
@@ -108,6 +116,7 @@ HTTP_SECONDS = Histogram(
 
 _REGION_FAMILIES = (
     UPLOADED_BYTES,
+    DEDUP_BYTES,
     UPLOAD_SECONDS,
     REPLICATED_BYTES,
     REPLICATION_SECONDS,
@@ -139,6 +148,12 @@ def observe_upload(region: str | None, nbytes: int, *, repair: bool = False) -> 
     UPLOAD_SECONDS.labels(region).observe(job_elapsed())
     if repair:
         SCRUB_RESULTS.labels(region, "repaired").inc()
+
+
+def observe_dedup(region: str | None, nbytes: int) -> None:
+    """``nbytes`` of a shard's files reached ``region`` by server-side copy of
+    identical, already committed objects instead of being sent."""
+    DEDUP_BYTES.labels(region or "").inc(nbytes)
 
 
 def observe_replication(region: str | None, nbytes: int) -> None:

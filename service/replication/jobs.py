@@ -29,6 +29,7 @@ from ..models import (
     CheckpointState,
     Job,
     JobKind,
+    JobState,
     Replica,
     ReplicaState,
     utcnow,
@@ -37,6 +38,11 @@ from ..observability import context, metrics
 from ..resources import Resources
 from ..storage.base import ObjectStore, PartRef, StoreError
 from ..uploads.manifest import manifest_digest
+
+# How long a replicate job waits before checking on an upload from T0 that is
+# filling its region (``[upload] fan_out``); it then waits for a running one,
+# and replaces one that never started (its node may be gone).
+FAN_OUT_GRACE_SECONDS = 30.0
 
 # Effectively forever: with backoff capped at worker.backoff_max, a region can
 # be down for weeks and its replicas still arrive once it is back.
@@ -67,6 +73,7 @@ async def enqueue_replication(
             Replica.state.in_((ReplicaState.PENDING, ReplicaState.CORRUPT)),
         )
     )
+    filling = {job.region for job in await _uploads_into_regions(session, checkpoint.id)}
     added = 0
     for replica in replicas:
         if replica.region not in resources.stores:
@@ -78,8 +85,24 @@ async def enqueue_replication(
             region=replica.region,
             priority=PRIORITY.get(checkpoint.priority, 0),
             max_attempts=REPLICATE_MAX_ATTEMPTS,
+            # An upload from T0 is filling that region already: the replicate
+            # job is the safety net (node lost, upload failed), not a rival.
+            delay_seconds=FAN_OUT_GRACE_SECONDS if replica.region in filling else 0.0,
         )
     return added
+
+
+async def _uploads_into_regions(session: AsyncSession, checkpoint_id: int) -> list[Job]:
+    """Active upload/commit jobs of a checkpoint (fan-out or T0 repair)."""
+    return list(
+        await session.scalars(
+            select(Job).where(
+                Job.checkpoint_id == checkpoint_id,
+                Job.kind.in_((JobKind.UPLOAD, JobKind.COMMIT)),
+                Job.state.in_((JobState.QUEUED, JobState.RUNNING)),
+            )
+        )
+    )
 
 
 async def stream_copy(
@@ -168,6 +191,17 @@ class ReplicationJobs:
                 await queue.complete(session, job)  # already there (or not ours to copy)
                 return None
             context.note(repair=target.state == ReplicaState.CORRUPT)
+            for other in await _uploads_into_regions(session, checkpoint.id):
+                if other.region != job.region:
+                    continue
+                if other.kind == JobKind.UPLOAD and other.state == JobState.QUEUED:
+                    await queue.supersede(
+                        session, other.id, "superseded: copied from a committed region instead"
+                    )
+                else:
+                    raise StoreError(
+                        f"an upload from the node's local copy into {job.region} is in progress"
+                    )
             sources = [
                 r.region
                 for r in await session.scalars(

@@ -50,14 +50,18 @@ class ObjectStore(ABC):
         """A human- and tool-usable address (s3://bucket/key or a file path)."""
 
     @abstractmethod
-    async def put_bytes(self, key: str, data: bytes | memoryview) -> None: ...
+    async def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
 
     @abstractmethod
     async def create_multipart(self, key: str) -> MultipartUpload: ...
 
     @abstractmethod
     async def upload_part(
-        self, upload: MultipartUpload, number: int, offset: int, data: bytes | memoryview
+        self,
+        upload: MultipartUpload,
+        number: int,
+        offset: int,
+        data: bytes | bytearray | memoryview,
     ) -> PartRef:
         """Part ``number`` (1-based) holds the bytes at ``offset`` of the object."""
 
@@ -94,6 +98,21 @@ class ObjectStore(ABC):
         """Server-side copy from ``source`` when both live on one endpoint;
         False when this pair cannot (the caller then streams the bytes)."""
         return False
+
+    def copies_server_side_from(self, source: ObjectStore) -> bool:
+        """Whether ``copy_within(source, …)`` works for this pair (then a
+        replica is cheaper copied inside the store than uploaded again)."""
+        return False
+
+    @abstractmethod
+    async def copy_object(self, source_key: str, key: str, size: int) -> None:
+        """Copy ``source_key`` (``size`` bytes) of this store to ``key`` without
+        the bytes passing through the agent.
+
+        The result is a plain, independent object: deleting the source later
+        leaves it whole (the layout stays ``aws s3 cp``-able per checkpoint).
+        Raises ObjectNotFound when the source is gone, StoreError otherwise.
+        """
 
     async def ensure_ready(self) -> None:
         """Create the bucket/root if missing; called once at start-up."""

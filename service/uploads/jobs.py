@@ -33,6 +33,7 @@ from ..replication.jobs import enqueue_replication
 from ..resources import Resources
 from ..storage import layout
 from ..storage.base import StoreError
+from .dedup import Deduplicator
 from .manifest import manifest_digest
 from .pipeline import UploadedFile, UploadLimits, upload_file
 from .source import SourceChanged, SourceFile
@@ -58,14 +59,22 @@ def is_repair(job: Job) -> bool:
     return bool((job.payload or {}).get("repair"))
 
 
+def is_fan_out(job: Job) -> bool:
+    """An upload from the T0 copy into a secondary region, run alongside the
+    primary's upload (``[upload] fan_out``) instead of a replicate job after
+    the primary commits: the regions fill in parallel, not one after another."""
+    return bool((job.payload or {}).get("fan_out"))
+
+
+class HashDisagrees(Exception):
+    """Two reads of the same registered file gave different SHA-256s."""
+
+
 class UploadJobs:
     def __init__(self, resources: Resources) -> None:
         self.r = resources
         upload = resources.settings.upload
-        self.limits = UploadLimits(
-            part_size=upload.part_size_mb * 1024 * 1024,
-            parts=asyncio.Semaphore(upload.parts_in_flight),
-        )
+        self.limits = UploadLimits.of(upload.part_size_mb * 1024 * 1024, upload.parts_in_flight)
         self.files_in_flight = asyncio.Semaphore(upload.files_in_flight)
 
     def handlers(self) -> dict[str, JobHandler]:
@@ -90,10 +99,14 @@ class UploadJobs:
             shard = await session.get_one(Shard, job.shard_id)
             files = list(await session.scalars(select(File).where(File.shard_id == shard.id)))
             if not is_repair(job):
-                shard.state = ShardState.UPLOADING
+                # A fan-out upload may start after the primary has finished.
+                if shard.state == ShardState.REGISTERED:
+                    shard.state = ShardState.UPLOADING
                 if checkpoint.state == CheckpointState.REGISTERED:
                     checkpoint.state = CheckpointState.UPLOADING
             run_name, step, rank, base = run.name, checkpoint.step, shard.rank, Path(shard.path)
+            if not is_repair(job) and not is_fan_out(job):
+                await self._fan_out(session, checkpoint, job)
 
         sources = [
             SourceFile(
@@ -108,34 +121,84 @@ class UploadJobs:
             for f in files
         ]
         roots = self.r.settings.local.roots
+        # Unchanged files are copied inside the region instead of sent; not for
+        # a repair, which rewrites a damaged copy from T0 by design.
+        dedup = (
+            await Deduplicator.prepare(
+                self.r.sessionmaker, store, checkpoint_id=job.checkpoint_id, run=run_name, rank=rank
+            )
+            if self.r.settings.upload.dedup and not is_repair(job)
+            else None
+        )
         try:
-            uploaded = await gather_or_cancel(*(self._one(store, s, roots) for s in sources))
+            uploaded = await gather_or_cancel(*(self._one(store, s, roots, dedup) for s in sources))
         except SourceChanged as exc:
             raise PermanentJobError(str(exc)) from exc
-        metrics.observe_upload(job.region, sum(s.size for s in sources), repair=is_repair(job))
+        sent = sum(u.size for u in uploaded if not u.copied)
+        metrics.observe_upload(job.region, sent, repair=is_repair(job))
+        metrics.observe_dedup(job.region, sum(u.size for u in uploaded) - sent)
 
-        by_path = {u.relative: u for u in uploaded}
+        by_path = {u.relative: u.sha256 for u in uploaded}
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await locked(session, job.checkpoint_id)
-            await queue.complete(session, job)
             if is_repair(job):
+                await queue.complete(session, job)
                 await self._commit_repair_when_complete(session, checkpoint, job.region)
                 return
-            for f in files:
-                await session.execute(
-                    update(File).where(File.id == f.id).values(sha256=by_path[f.path].sha256)
-                )
+            try:
+                await _record_hashes(session, job.shard_id, by_path)
+            except HashDisagrees as exc:
+                raise PermanentJobError(str(exc)) from exc
+            await queue.complete(session, job)
             await session.execute(
                 update(Shard)
-                .where(Shard.id == job.shard_id)
+                .where(Shard.id == job.shard_id, Shard.state != ShardState.UPLOADED)
                 .values(state=ShardState.UPLOADED, uploaded_at=utcnow(), error=None)
             )
             await self._enqueue_commit_when_complete(session, checkpoint, job.region)
         self.r.wake_worker()
 
-    async def _one(self, store, source: SourceFile, roots: list[Path]) -> UploadedFile:  # type: ignore[no-untyped-def]
+    async def _fan_out(self, session: AsyncSession, checkpoint: Checkpoint, job: Job) -> None:
+        """Queue this shard's upload into every secondary region too, from the
+        same T0 files, so the regions fill in parallel.
+
+        Only for single-shard checkpoints: a secondary region's manifest needs
+        every rank, and ranks of one checkpoint live on different nodes; a
+        sharded checkpoint is replicated after the primary commits, as before.
+        A fan-out upload that cannot finish falls back to that replicate job.
+        """
+        settings = self.r.settings
+        if not settings.upload.fan_out or checkpoint.world_size != 1:
+            return
+        pending = await session.scalars(
+            select(Replica.region).where(
+                Replica.checkpoint_id == checkpoint.id,
+                Replica.state == ReplicaState.PENDING,
+                Replica.region != job.region,
+            )
+        )
+        primary = self.r.stores.get(job.region or "")
+        for region in pending:
+            store = self.r.stores.get(region)
+            # Two buckets of one endpoint: the replicate job's server-side
+            # copy sends no bytes at all, which beats a second upload.
+            if store is None or (primary is not None and store.copies_server_side_from(primary)):
+                continue
+            await queue.enqueue(
+                session,
+                JobKind.UPLOAD,
+                checkpoint.id,
+                shard_id=job.shard_id,
+                region=region,
+                node=job.node,
+                priority=job.priority,
+                payload={"fan_out": True},
+                max_attempts=settings.worker.max_attempts,
+            )
+
+    async def _one(self, store, source: SourceFile, roots: list[Path], dedup=None) -> UploadedFile:  # type: ignore[no-untyped-def]
         async with self.files_in_flight:
-            return await upload_file(store, source, roots, self.limits)
+            return await upload_file(store, source, roots, self.limits, dedup)
 
     async def _enqueue_commit_when_complete(
         self, session: AsyncSession, checkpoint: Checkpoint, region: str
@@ -185,6 +248,11 @@ class UploadJobs:
                 .values(error=f"repair from the local copy failed: {error}"[:4000])
             )
             return
+        if is_fan_out(job):
+            # The region is not lost: it is filled from a committed region
+            # instead, by the replicate job that never gives up.
+            await self._fall_back_to_replication(session, job, f"upload from T0 failed: {error}")
+            return
         if job.shard_id is not None:
             await session.execute(
                 update(Shard)
@@ -192,6 +260,30 @@ class UploadJobs:
                 .values(state=ShardState.FAILED, error=error[:4000])
             )
         await mark_checkpoint_failed(session, job.checkpoint_id, f"upload failed: {error}")
+        # A fan-out region may have committed first: the checkpoint is valid,
+        # and the primary is then filled from it.
+        await self._fall_back_to_replication(session, job, f"upload failed: {error}")
+
+    async def _fall_back_to_replication(self, session: AsyncSession, job: Job, error: str) -> None:
+        await session.execute(
+            update(Replica)
+            .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
+            .values(error=error[:4000])
+        )
+        checkpoint = await locked(session, job.checkpoint_id)
+        await enqueue_replication(session, checkpoint, self.r)
+        # The safety-net replicate job may be waiting out its grace period
+        # for this very upload: it has nothing left to wait for.
+        await session.execute(
+            update(Job)
+            .where(
+                Job.checkpoint_id == job.checkpoint_id,
+                Job.region == job.region,
+                Job.kind == JobKind.REPLICATE,
+                Job.state == JobState.QUEUED,
+            )
+            .values(run_after=utcnow())
+        )
 
     # -- commit: MANIFEST.json last, then the region counts ------------------
 
@@ -239,12 +331,28 @@ class UploadJobs:
             await enqueue_replication(session, checkpoint, self.r)
 
     async def commit_failed(self, session: AsyncSession, job: Job, error: str) -> None:
-        await session.execute(
-            update(Replica)
-            .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
-            .values(error=error[:4000])
-        )
-        await mark_checkpoint_failed(session, job.checkpoint_id, f"commit failed: {error}")
+        # A secondary region's commit (after a fan-out upload) does not fail
+        # the checkpoint: that region is filled by replication instead.
+        if job.region == self.r.settings.primary_region.name:
+            await mark_checkpoint_failed(session, job.checkpoint_id, f"commit failed: {error}")
+        await self._fall_back_to_replication(session, job, f"commit failed: {error}")
+
+
+async def _record_hashes(
+    session: AsyncSession, shard_id: int | None, hashes: dict[str, str]
+) -> None:
+    """Store the SHA-256 each upload computed; with several regions uploading
+    the same T0 files, every later read must agree with the first."""
+    files = await session.scalars(select(File).where(File.shard_id == shard_id))
+    for f in files:
+        digest = hashes[f.path]
+        if f.sha256 is None:
+            await session.execute(update(File).where(File.id == f.id).values(sha256=digest))
+        elif f.sha256 != digest:
+            raise HashDisagrees(
+                f"{f.path}: SHA-256 {digest} differs from {f.sha256} read earlier; "
+                "the file changed after registration"
+            )
 
 
 def job_priority(checkpoint: Checkpoint) -> int:

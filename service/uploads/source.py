@@ -64,13 +64,11 @@ def check_unchanged(fd: int, source: SourceFile) -> None:
         )
 
 
-def read_exact(fd: int, offset: int, length: int, source: SourceFile) -> bytes:
-    chunks = []
+def read_into(fd: int, offset: int, view: memoryview, source: SourceFile) -> None:
+    """Fill ``view`` from ``offset`` (no allocation: the caller owns the buffer)."""
     got = 0
-    while got < length:
-        chunk = os.pread(fd, length - got, offset + got)
-        if not chunk:
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if not n:
             raise SourceChanged(f"{source.relative} was truncated after registration")
-        chunks.append(chunk)
-        got += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        got += n

@@ -70,7 +70,10 @@ async def test_scrape_after_real_uploads_replication_verify_and_restore(
         s3_region("east", seaweed.endpoint_url, s3_bucket),
         posix_region("west", tmp_path / "west"),
     ]
-    async with running_agent(catalog_url, tmp_path, regions) as agent:
+    # West filled by replicate jobs (not by uploads from T0) so the
+    # replication families are exercised too.
+    upload = {"fan_out": False}
+    async with running_agent(catalog_url, tmp_path, regions, upload=upload) as agent:
         families, before = await scrape(agent)
         # Every family exists from the first scrape (alerts need no warm-up).
         for name in (

@@ -77,6 +77,7 @@ async def verify_and_wait(agent: Agent, run: str, step: int) -> dict[str, Any]:
     raise AssertionError("verification did not finish")
 
 
+@pytest.mark.parametrize("fan_out", [True, False], ids=["fan-out", "replicate"])
 async def test_replicates_to_a_second_region_with_manifest_last(
     catalog_url: str,
     tmp_path: Path,
@@ -86,9 +87,11 @@ async def test_replicates_to_a_second_region_with_manifest_last(
     seaweed_west: SeaweedServer,
     west_bucket: str,
     west_client: Any,
+    fan_out: bool,
 ) -> None:
     regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket)
-    async with running_agent(catalog_url, tmp_path, regions) as agent:
+    upload = {"fan_out": fan_out}
+    async with running_agent(catalog_url, tmp_path, regions, upload=upload) as agent:
         ckpt = write_checkpoint(
             agent.ssd / "s1", {"big.bin": 12 << 20, "a/small": b"s", "empty": b""}
         )
@@ -98,8 +101,16 @@ async def test_replicates_to_a_second_region_with_manifest_last(
             ("east", "committed"),
             ("west", "committed"),
         ]
-        # Streamed between two servers: every byte was hashed on the way.
-        assert done["replicas"][1]["verified_at"] is not None
+        west_jobs = {(j["kind"], j["state"]) for j in done["jobs"] if j["region"] == "west"}
+        if fan_out:
+            # Uploaded from the T0 copy alongside east, hashed on the way out
+            # like the primary; the replicate safety net had nothing to do.
+            assert ("upload", "succeeded") in west_jobs and ("commit", "succeeded") in west_jobs
+            assert not any(kind == "replicate" and state != "queued" for kind, state in west_jobs)
+        else:
+            # Streamed between two servers: every byte was hashed on the way.
+            assert done["replicas"][1]["verified_at"] is not None
+            assert ("replicate", "succeeded") in west_jobs
         for entry in done["files"]:
             assert (
                 remote_sha256(s3_client, s3_bucket, key("llm", 1, entry["path"])) == entry["sha256"]
@@ -159,7 +170,9 @@ async def test_region_outage_delays_replication_and_loses_nothing(
             assert durable["state"] == "durable"
             await asyncio.sleep(1.5)  # a few failed attempts against the dead region
             detail = (await agent.http.get("/v1/runs/o/checkpoints/1")).json()
-            job = next(j for j in detail["jobs"] if j["kind"] == "replicate")
+            # West is filled by the upload from T0 (fan-out) or by replication;
+            # either way the job retries against the dead region.
+            job = next(j for j in detail["jobs"] if j["region"] == "west" and j["attempts"])
             assert job["state"] in ("queued", "running") and job["attempts"] >= 1
             west = next(r for r in detail["replicas"] if r["region"] == "west")
             assert west["state"] == "pending" and west["lag_seconds"] >= 1.0  # lag shown
@@ -248,3 +261,93 @@ async def test_every_copy_corrupt_falls_back_then_repairs_from_local_copy(
             == hashlib.sha256((newer / "w.bin").read_bytes()).hexdigest()
         )
         assert (await agent.http.get("/v1/runs/c/checkpoints/3")).json()["state"] == "corrupt"
+
+
+async def test_fan_out_that_gives_up_falls_back_to_replication(
+    catalog_url: str,
+    tmp_path: Path,
+    seaweed: SeaweedServer,
+    s3_bucket: str,
+    seaweed_west: SeaweedServer,
+    west_bucket: str,
+    west_client: Any,
+) -> None:
+    regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket)
+    worker = {"max_attempts": 2, "backoff_base": 0.1, "backoff_max": 0.5, "poll_interval": 0.05}
+    async with running_agent(catalog_url, tmp_path, regions, worker=worker) as agent:
+        seaweed_west.stop()
+        try:
+            ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 6 << 20, "m.json": b"{}"})
+            assert (await agent.register("fb", 1, ckpt)).status_code == 202
+            await agent.wait_state("fb", 1, states=("durable",))
+            for _ in range(400):
+                detail = (await agent.http.get("/v1/runs/fb/checkpoints/1")).json()
+                west_jobs = [j for j in detail["jobs"] if j["region"] == "west"]
+                if any(j["kind"] == "upload" and j["state"] == "failed" for j in west_jobs) and any(
+                    j["kind"] == "replicate" and j["attempts"] for j in west_jobs
+                ):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"no fallback to replication: {west_jobs}")
+            west = next(r for r in detail["replicas"] if r["region"] == "west")
+            assert west["state"] == "pending" and "upload from T0 failed" in west["error"]
+            assert detail["state"] == "durable"  # the east copy is unaffected
+        finally:
+            seaweed_west.start()
+        done = await agent.wait_state("fb", 1, states=("replicated",), timeout=120)
+        for entry in done["files"]:
+            assert (
+                remote_sha256(west_client, west_bucket, key("fb", 1, entry["path"]))
+                == (entry["sha256"])
+            )
+
+
+async def test_replication_supersedes_a_fan_out_upload_that_never_started(
+    catalog_url: str,
+    tmp_path: Path,
+    seaweed: SeaweedServer,
+    s3_bucket: str,
+    seaweed_west: SeaweedServer,
+    west_bucket: str,
+    west_client: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node holding T0 is gone before its upload into west started: the
+    replicate job (any agent) copies west from east instead of waiting forever."""
+    from sqlalchemy import select
+
+    from tierckpt.service.db import transaction
+    from tierckpt.service.jobs import queue
+    from tierckpt.service.models import Shard
+    from tierckpt.service.replication import jobs as replication
+
+    monkeypatch.setattr(replication, "FAN_OUT_GRACE_SECONDS", 0.2)
+    regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket)
+    async with running_agent(catalog_url, tmp_path, regions, start_worker=False) as agent:
+        ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 3 << 20})
+        assert (await agent.register("gone", 1, ckpt)).status_code == 202
+        # The west upload as the fan-out queues it, but bound to a node whose
+        # agent never comes back (the primary's own fan-out then dedupes on it).
+        async with transaction(agent.resources.sessionmaker) as session:
+            shard = (await session.scalars(select(Shard))).one()
+            assert await queue.enqueue(
+                session,
+                "upload",
+                shard.checkpoint_id,
+                shard_id=shard.id,
+                region="west",
+                node="node-that-is-gone",
+                payload={"fan_out": True},
+            )
+    worker = {"poll_interval": 0.05}
+    async with running_agent(
+        catalog_url, tmp_path, regions, ssd=tmp_path / "ssd", worker=worker
+    ) as agent:
+        done = await agent.wait_state("gone", 1, states=("replicated",), timeout=60)
+        west_jobs = {(j["kind"], j["state"]) for j in done["jobs"] if j["region"] == "west"}
+        assert ("replicate", "succeeded") in west_jobs
+        assert (
+            remote_sha256(west_client, west_bucket, key("gone", 1, "w.bin"))
+            == (done["files"][0]["sha256"])
+        )

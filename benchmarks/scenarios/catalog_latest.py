@@ -1,0 +1,585 @@
+"""`latest` with 100,000 checkpoints in the catalog, on SQLite and PostgreSQL.
+
+The question every restart asks must stay fast when a catalog has grown:
+``GET /v1/runs/{run}/latest`` (and ``?region=``) is timed through HTTP
+against a real ``tierckpt serve`` (workers off), one keep-alive client,
+sequential requests after a warm-up; p50/p99/max per database. The
+in-process catalog query (``repository.latest_valid``) is timed too, to tell
+the database's share from the HTTP/app share.
+
+The catalog is built by the real migrations (``tierckpt.service.migrate``,
+what ``tierckpt migrate`` and ``serve`` run), then seeded in bulk (SQLAlchemy
+Core executemany on SQLite, COPY on PostgreSQL), not through the API, in the
+shape the register path and the workers leave it (checkpoint, one shard per
+rank, its files, one replica row per configured region):
+
+- one big run (``BIG_STEPS`` checkpoints, world_size 2, two files per rank)
+  and ``SMALL_RUNS`` smaller runs (world_size 1, three files each);
+- mostly durable/replicated: committed in ``east``; in ``west`` too for most
+  (replicated), with the newest ~20 durable ones still pending there (so
+  ``?region=west`` walks past them); old ones deleted by retention (replicas
+  deleted), about 2 % failed, some corrupt (east corrupt, west never
+  committed), a few quarantined;
+- right at the top of every run, the newest steps are still ``registered``
+  / ``uploading``, and just below them a failed, a quarantined and a
+  corrupt one: `latest` must skip all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support import postgres as pg
+
+from ..context import BUCKET, REGION_PREFIX, BenchContext, log
+from ..procstat import cpu_seconds
+from ..stats import percentile, row
+
+NAME = "catalog_latest"
+TITLE = "latest with 100,000 checkpoints in the catalog (ms; lower is better)"
+REQUIRES: tuple[str, ...] = ()
+
+TOTAL = 100_000
+SMALL_RUNS = 9
+SMALL_STEPS = 2_000
+BIG_STEPS = TOTAL - SMALL_RUNS * SMALL_STEPS
+BIG_RUN = "bench-latest-big"
+REGIONS = ("east", "west")
+WARMUP = 50
+TARGET_P99_MS = 5.0
+
+
+# Column order of the generated tuples, per table (explicit, so a column
+# another revision adds with a default does not shift anything).
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "runs": ("id", "name", "created_at"),
+    "checkpoints": (
+        "id",
+        "run_id",
+        "step",
+        "state",
+        "world_size",
+        "epoch",
+        "priority",
+        "metrics",
+        "metadata",
+        "parent_run",
+        "parent_step",
+        "write_seconds",
+        "total_bytes",
+        "file_count",
+        "error",
+        "created_at",
+        "updated_at",
+        "durable_at",
+        "pinned",
+        "quarantined_at",
+        "quarantine_reason",
+        "deleted_at",
+        "deleted_reason",
+    ),
+    "shards": (
+        "id",
+        "checkpoint_id",
+        "rank",
+        "node",
+        "path",
+        "is_directory",
+        "state",
+        "fingerprint",
+        "error",
+        "created_at",
+        "uploaded_at",
+        "evicted_at",
+    ),
+    "files": ("id", "shard_id", "path", "size", "mtime_ns", "expected_sha256", "sha256"),
+    "replicas": (
+        "id",
+        "checkpoint_id",
+        "region",
+        "state",
+        "uri",
+        "manifest_sha256",
+        "error",
+        "created_at",
+        "committed_at",
+        "verified_at",
+    ),
+}
+
+# Replica states (east, west) the workers leave for each checkpoint state.
+REPLICA_STATES = {
+    "registered": ("pending", "pending"),
+    "uploading": ("pending", "pending"),
+    "failed": ("pending", "pending"),
+    "corrupt": ("corrupt", "pending"),
+    "deleted": ("deleted", "deleted"),
+    "durable": ("committed", "pending"),
+    "replicated": ("committed", "committed"),
+}
+SHARD_STATES = {"registered": "registered", "uploading": "uploading", "failed": "failed"}
+
+
+@dataclass
+class Rows:
+    """Every row to insert, per table, as tuples in COLUMNS order."""
+
+    tables: dict[str, list[tuple[Any, ...]]] = field(
+        default_factory=lambda: {name: [] for name in COLUMNS}
+    )
+    # What `latest` must answer, per (run, region or None): the step.
+    expected: dict[tuple[str, str | None], int] = field(default_factory=dict)
+
+    def count(self, table: str) -> int:
+        return len(self.tables[table])
+
+
+def _top_states() -> list[str]:
+    """The states of a run's newest steps, newest first: in flight, then a
+    failed, a quarantined and a corrupt one `latest` must pass over."""
+    return ["registered", "uploading", "uploading", "failed", "quarantined", "corrupt"]
+
+
+def _hex(n: int) -> str:
+    return f"{n:064x}"  # shaped like a SHA-256; the content does not matter here
+
+
+def generate(seed: int = 6) -> Rows:
+    rng = random.Random(seed)
+    rows = Rows()
+    add_checkpoint = rows.tables["checkpoints"].append
+    add_shard = rows.tables["shards"].append
+    add_file = rows.tables["files"].append
+    add_replica = rows.tables["replicas"].append
+    epoch = datetime(2026, 1, 1)
+    took, hours, day = timedelta(seconds=40), timedelta(hours=1), timedelta(days=1)
+    checkpoint_id = shard_id = file_id = replica_id = 0
+    runs = [(BIG_RUN, BIG_STEPS, 2, ("model.pt", "optim.pt"))] + [
+        (
+            f"bench-latest-{n:02d}",
+            SMALL_STEPS,
+            1,
+            ("model.safetensors", "optimizer.pt", "trainer_state.json"),
+        )
+        for n in range(SMALL_RUNS)
+    ]
+    for run_id, (run, steps, world_size, names) in enumerate(runs, start=1):
+        rows.tables["runs"].append((run_id, run, epoch))
+        top = _top_states()
+        deleted_below = int(steps * 0.6)  # retention removed the oldest 60 %
+        west_lag = 20  # the newest durable ones are not in west yet
+        answer: dict[str | None, int] = {}
+        for i in range(steps - 1, -1, -1):  # newest first, to know the answers
+            step = (i + 1) * 100
+            created = epoch + timedelta(seconds=60 * i + run_id)
+            done = created + took
+            from_top = steps - 1 - i
+            state = top[from_top] if from_top < len(top) else ""
+            quarantined = state == "quarantined"
+            if quarantined:
+                state = "durable"
+            elif not state:
+                roll = rng.random()
+                if i < deleted_below:
+                    state = "deleted"
+                elif roll < 0.02:
+                    state = "failed"
+                elif roll < 0.025:
+                    state = "corrupt"
+                else:
+                    state = "durable" if from_top - len(top) < west_lag else "replicated"
+                    quarantined = rng.random() < 0.003
+            checkpoint_id += 1
+            ever_durable = state in ("durable", "replicated", "corrupt", "deleted")
+            deleted = state == "deleted"
+            failed = state == "failed"
+            file_size = rng.randrange(1 << 20, 1 << 30)
+            add_checkpoint(
+                (
+                    checkpoint_id,
+                    run_id,
+                    step,
+                    state,
+                    world_size,
+                    step // 1000,
+                    "normal",
+                    {"loss": round(3.0 / (1 + i / 1000), 5)},
+                    {},
+                    run if i else None,
+                    step - 100 if i else None,
+                    round(rng.uniform(2, 30), 3),
+                    file_size * world_size * len(names),
+                    world_size * len(names),
+                    "upload failed: connection reset" if failed else None,
+                    created,
+                    done,
+                    done if ever_durable else None,
+                    False,
+                    created + day if quarantined else None,
+                    "loss spike" if quarantined else None,
+                    created + 3 * day if deleted else None,
+                    "retention: keep_last" if deleted else None,
+                )
+            )
+            shard_state = SHARD_STATES.get(state, "uploaded")
+            uploaded = shard_state == "uploaded"
+            directory = f"/ssd/checkpoints/{run}/step-{step}"
+            mtime_ns = int(created.timestamp()) * 1_000_000_000
+            evicted = created + hours if from_top > 10 else None
+            for rank in range(world_size):
+                shard_id += 1
+                add_shard(
+                    (
+                        shard_id,
+                        checkpoint_id,
+                        rank,
+                        f"node-{rank:03d}",
+                        directory,
+                        True,
+                        shard_state,
+                        _hex(shard_id),
+                        None,
+                        created,
+                        done if uploaded else None,
+                        evicted,
+                    )
+                )
+                for name in names:
+                    file_id += 1
+                    add_file(
+                        (
+                            file_id,
+                            shard_id,
+                            name,
+                            file_size,
+                            mtime_ns,
+                            None,
+                            _hex(file_id) if uploaded else None,
+                        )
+                    )
+            replica_states = REPLICA_STATES[state]
+            for region, replica_state in zip(REGIONS, replica_states, strict=True):
+                replica_id += 1
+                committed = replica_state != "pending"  # corrupt/deleted were committed once
+                add_replica(
+                    (
+                        replica_id,
+                        checkpoint_id,
+                        region,
+                        replica_state,
+                        f"s3://{BUCKET}/{REGION_PREFIX}/{region}/{run}/step-{step:012d}/",
+                        _hex(replica_id) if committed else None,
+                        "sha256 mismatch" if replica_state == "corrupt" else None,
+                        created,
+                        done if committed else None,
+                        created + 6 * hours if committed else None,
+                    )
+                )
+            if state in ("durable", "replicated") and not quarantined:
+                answer.setdefault(None, step)
+                for region, replica_state in zip(REGIONS, replica_states, strict=True):
+                    if replica_state == "committed":
+                        answer.setdefault(region, step)
+        for region, step in answer.items():
+            rows.expected[(run, region)] = step
+    return rows
+
+
+# -- seeding ------------------------------------------------------------------
+
+
+def migrate(url: str) -> None:
+    """The real schema: the same Alembic upgrade `tierckpt migrate` runs."""
+    from tierckpt.service.migrate import upgrade
+
+    upgrade(url)
+
+
+def _converters(name: str, dialect: Any, *, json_as_text: bool) -> list[Any]:
+    """Per column, what SQLAlchemy would do to the value before the driver
+    sees it (SQLite: its DateTime string format, JSON text; PostgreSQL COPY:
+    JSON text only, asyncpg takes the rest as they are)."""
+    from sqlalchemy import JSON
+
+    from tierckpt.service.models import Base
+
+    table = Base.metadata.tables[name]
+    by_name = {c.name: c for c in table.columns}
+    out = []
+    for column_name in COLUMNS[name]:
+        column = by_name[column_name]
+        if isinstance(column.type, JSON):
+            out.append(json.dumps if json_as_text else None)
+        elif dialect is not None:
+            out.append(column.type.bind_processor(dialect))
+        else:
+            out.append(None)
+    return out
+
+
+def _converted(records: list[tuple[Any, ...]], converters: list[Any]) -> list[tuple[Any, ...]]:
+    if not any(converters):
+        return records
+    pairs = list(enumerate(converters))
+    return [
+        tuple(c(r[i]) if c is not None and r[i] is not None else r[i] for i, c in pairs)
+        for r in records
+    ]
+
+
+def seed_sqlite(path: Path, rows: Rows) -> None:
+    """Bulk INSERT through SQLAlchemy (executemany on its connection), one
+    transaction, values converted by the columns' own SQLAlchemy types."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(f"sqlite:///{path}")
+    try:
+        with engine.begin() as connection:
+            # Only for this bulk load (per connection): the agent reopens with
+            # its own settings (WAL, synchronous=FULL).
+            connection.exec_driver_sql("PRAGMA synchronous=OFF")
+            for name, columns in COLUMNS.items():
+                converters = _converters(name, engine.dialect, json_as_text=True)
+                statement = (
+                    f"INSERT INTO {name} ({', '.join(columns)}) "
+                    f"VALUES ({', '.join('?' for _ in columns)})"
+                )
+                records = rows.tables[name]
+                for start in range(0, len(records), 50_000):
+                    chunk = _converted(records[start : start + 50_000], converters)
+                    connection.exec_driver_sql(statement, chunk)
+    finally:
+        engine.dispose()
+
+
+def seed_postgres(url: str, rows: Rows) -> None:
+    """COPY (binary, asyncpg) into the migrated database, then ANALYZE (what
+    autovacuum does after a bulk load) and move the id sequences past the rows."""
+    import asyncpg
+
+    async def load() -> None:
+        connection = await asyncpg.connect(pg.asyncpg_dsn(url))
+        try:
+            async with connection.transaction():
+                for name, columns in COLUMNS.items():
+                    records = _converted(
+                        rows.tables[name], _converters(name, None, json_as_text=True)
+                    )
+                    await connection.copy_records_to_table(
+                        name, records=records, columns=list(columns)
+                    )
+                    await connection.execute(
+                        f"SELECT setval(pg_get_serial_sequence('{name}', 'id'), "
+                        f"(SELECT max(id) FROM {name}))"
+                    )
+            await connection.execute("ANALYZE")
+        finally:
+            await connection.close()
+
+    asyncio.run(load())
+
+
+# -- measuring ----------------------------------------------------------------
+
+
+def _timed_requests(url: str, pid: int, path: str, count: int) -> tuple[list[float], float]:
+    """`count` sequential GETs on one keep-alive connection: seconds each, and
+    the agent's CPU seconds per request (/proc: all its threads), a figure a
+    loaded machine disturbs much less than the latencies."""
+    out: list[float] = []
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for _ in range(WARMUP):
+            http.get(path).raise_for_status()
+        cpu_before = cpu_seconds(pid)
+        for _ in range(count):
+            began = time.perf_counter()
+            answer = http.get(path)
+            out.append(time.perf_counter() - began)
+            answer.raise_for_status()
+        cpu = (cpu_seconds(pid) - cpu_before) / count
+    return out, cpu
+
+
+def _check_answers(url: str, rows: Rows) -> int:
+    """Every run's `latest` (and per region) is exactly the expected step."""
+    wrong = 0
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for (run, region), step in rows.expected.items():
+            params = {"region": region} if region else {}
+            got = http.get(f"/v1/runs/{run}/latest", params=params).json()
+            if got.get("step") != step:
+                wrong += 1
+                log(f"latest {run} region={region}: {got.get('step')} != expected {step}")
+    return wrong
+
+
+def _query_times(catalog_url: str, run: str, count: int) -> dict[str, list[float]]:
+    """In-process: repository.latest_valid alone, through the service's engine
+    setup (same pragmas, same driver), seconds each."""
+    from tierckpt.service.checkpoints import repository as repo
+    from tierckpt.service.db import create_engine, create_sessionmaker
+
+    async def measure() -> dict[str, list[float]]:
+        engine = create_engine(catalog_url)
+        sessions = create_sessionmaker(engine)
+        out: dict[str, list[float]] = {"any": [], "west": []}
+        try:
+            async with sessions() as session:
+                found = await repo.find_run(session, run)
+                assert found is not None
+                run_id = found.id  # the rollbacks below expire the row
+                for region, times in (("any", out["any"]), ("west", out["west"])):
+                    where = None if region == "any" else region
+                    for n in range(WARMUP + count):
+                        began = time.perf_counter()
+                        await repo.latest_valid(session, run_id, 1, where)
+                        if n >= WARMUP:
+                            times.append(time.perf_counter() - began)
+                    await session.rollback()
+        finally:
+            await engine.dispose()
+        return out
+
+    return asyncio.run(measure())
+
+
+def _regions(ctx: BenchContext) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": name,
+            "kind": "s3",
+            "endpoint_url": ctx.seaweed.endpoint_url,
+            "bucket": BUCKET,
+            "prefix": f"{REGION_PREFIX}-latest-{name}",
+            "access_key_id": "tierckpt",
+            "secret_access_key": "tierckpt-secret",
+        }
+        for name in REGIONS
+    ]
+
+
+def _sizes(rows: Rows) -> str:
+    return ", ".join(f"{rows.count(name)} {name}" for name in COLUMNS)
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    return {
+        "p50": percentile(values, 50) * 1000,
+        "p99": percentile(values, 99) * 1000,
+        "max": max(values) * 1000,
+    }
+
+
+def run(ctx: BenchContext) -> dict[str, Any]:
+    count = 500 if ctx.quick else 2000
+    reps = max(1, min(ctx.reps, 3))
+    per_rep = max(100, count // reps)
+    began = time.monotonic()
+    rows = generate()
+    log(f"latest: generated {_sizes(rows)} in {time.monotonic() - began:.1f}s")
+    admin = pg.postgres_admin_url()
+    database = pg.create_temp_database(admin)
+    sqlite_path = ctx.work / "latest-catalog.db"
+    catalogs = {"sqlite": f"sqlite+aiosqlite:///{sqlite_path}", "postgres": database}
+    seed_seconds: dict[str, float] = {}
+    http: dict[str, dict[str, list[dict[str, float]]]] = {}
+    queries: dict[str, dict[str, list[dict[str, float]]]] = {}
+    wrong = 0
+    try:
+        began = time.monotonic()
+        for url in catalogs.values():
+            migrate(url)  # one at a time: Alembic's environment is process-global
+        migrated = time.monotonic() - began
+        log(f"latest: both catalogs migrated in {migrated:.1f}s")
+
+        def build(db: str) -> None:
+            began = time.monotonic()
+            if db == "sqlite":
+                seed_sqlite(sqlite_path, rows)
+            else:
+                seed_postgres(catalogs[db], rows)
+            seed_seconds[db] = time.monotonic() - began
+            log(f"latest: {db} seeded in {seed_seconds[db]:.1f}s")
+
+        # One after the other: side by side (threads) was slower on 2 cores.
+        for db in catalogs:
+            build(db)
+        agents = {
+            db: ctx.start_agent(
+                f"latest-{db}", worker=False, catalog={"url": url}, regions=_regions(ctx)
+            )
+            for db, url in catalogs.items()
+        }
+        for agent in agents.values():
+            wrong += _check_answers(agent.url, rows)
+        paths = {
+            "latest": f"/v1/runs/{BIG_RUN}/latest",
+            "latest?region=west": f"/v1/runs/{BIG_RUN}/latest?region=west",
+        }
+        for rep in range(reps):
+            for db, agent in agents.items():
+                for variant, path in paths.items():
+                    latencies, cpu = _timed_requests(agent.url, agent.pid, path, per_rep)
+                    figures = {**_ms(latencies), "cpu": cpu * 1000}
+                    http.setdefault(f"{db} {variant}", {}).setdefault("reps", []).append(figures)
+                    log(
+                        f"latest rep {rep + 1}/{reps} {db} {variant}: p50 {figures['p50']:.2f} ms, "
+                        f"p99 {figures['p99']:.2f} ms, max {figures['max']:.2f} ms, "
+                        f"agent CPU {figures['cpu']:.2f} ms/request"
+                    )
+        for db, url in catalogs.items():
+            times = _query_times(url, BIG_RUN, min(per_rep, 300))
+            for variant, values in times.items():
+                label = "latest_valid" if variant == "any" else "latest_valid region=west"
+                figures = _ms(values)
+                queries.setdefault(f"{db} {label}", {}).setdefault("reps", []).append(figures)
+                log(f"latest in-process {db} {label}: p50 {figures['p50']:.3f} ms")
+        for agent in agents.values():
+            ctx.stop_agent(agent)
+    finally:
+        pg.drop_database(database, admin)
+
+    out_rows = []
+    for label, data in http.items():
+        for stat in ("p50", "p99", "max", "cpu"):
+            out_rows.append(
+                row(
+                    f"HTTP {label}",
+                    "agent CPU/request" if stat == "cpu" else stat,
+                    "ms",
+                    [r[stat] for r in data["reps"]],
+                    note=f"{per_rep} sequential GETs per rep, keep-alive" if stat == "p50" else "",
+                )
+            )
+    for label, data in queries.items():
+        for stat in ("p50", "p99"):
+            out_rows.append(row(f"in-process {label}", stat, "ms", [r[stat] for r in data["reps"]]))
+    return {
+        "rows": out_rows,
+        "notes": [
+            f"{_sizes(rows)}; {BIG_STEPS} checkpoints in {BIG_RUN} (world_size 2, timed), "
+            f"{SMALL_RUNS} runs of {SMALL_STEPS}; newest steps in flight/failed/quarantined/"
+            "corrupt, 60 % deleted by retention",
+            "seeded in "
+            + ", ".join(f"{db} {seconds:.1f}s" for db, seconds in seed_seconds.items())
+            + " (bulk load, after the migrations)",
+            f"wrong latest answers: {wrong} (checked for every run and region)",
+            f"target (issue 6): p99 ≤ {TARGET_P99_MS:g} ms",
+        ],
+        "details": {
+            "http": http,
+            "in_process": queries,
+            "seed_seconds": seed_seconds,
+            "wrong_answers": wrong,
+            "expected": {f"{run} {region}": step for (run, region), step in rows.expected.items()},
+        },
+    }

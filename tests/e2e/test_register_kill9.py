@@ -1,0 +1,127 @@
+"""End to end: SIGKILL the agent while many registrations are in flight.
+
+Registrations are group-committed (service/checkpoints/batching.py): each
+request is answered only after the transaction holding it committed. So
+every registration answered 202 must be in the catalog after a kill -9, with
+its shard, files and upload job; one that got no answer may or may not be
+there, but never half of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.processes import ServeProcess, free_port, write_config
+
+pytestmark = pytest.mark.e2e
+
+COUNT = 400
+CLIENTS = 32
+
+
+def _config(tmp_path: Path, catalog_url: str) -> tuple[Path, int, Path]:
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    port = free_port()
+    config = write_config(
+        tmp_path / "tierckpt.toml",
+        {
+            "server": {
+                "host": "127.0.0.1",
+                "port": port,
+                "node": "kill-node",
+                "rate_limit_per_second": 0,
+            },
+            "catalog": {"url": catalog_url},
+            "local": {"roots": [str(ssd)]},
+        },
+        [{"name": "local", "kind": "posix", "root": str(tmp_path / "region")}],
+    )
+    return config, port, ssd
+
+
+async def _register_until_killed(
+    url: str, dirs: list[Path], kill: threading.Event
+) -> dict[int, int]:
+    """step -> status for every answered registration (others: no answer)."""
+    answered: dict[int, int] = {}
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for step in range(len(dirs)):
+        queue.put_nowait(step)
+    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as http:
+
+        async def worker() -> None:
+            while not queue.empty():
+                step = queue.get_nowait()
+                try:
+                    answer = await http.post(
+                        "/v1/checkpoints",
+                        json={"run": "k", "step": step, "path": str(dirs[step])},
+                    )
+                except httpx.HTTPError:
+                    return  # the agent is gone
+                answered[step] = answer.status_code
+                if len(answered) >= COUNT // 4:
+                    kill.set()
+
+        await asyncio.gather(*(worker() for _ in range(CLIENTS)))
+    return answered
+
+
+def test_kill9_during_concurrent_registrations_loses_no_202(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    config, port, ssd = _config(tmp_path, catalog_url)
+    dirs = []
+    for step in range(COUNT):
+        d = ssd / f"step-{step}"
+        d.mkdir()
+        (d / "w.bin").write_bytes(b"w" * (step + 1))
+        (d / "meta.json").write_bytes(b"{}")
+        dirs.append(d)
+
+    agent = ServeProcess(config, port, tmp_path / "serve.log", worker=False).start()
+    kill = threading.Event()
+
+    def killer() -> None:
+        kill.wait(120)
+        agent.kill()  # SIGKILL, with registrations still in flight
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        answered = asyncio.run(_register_until_killed(agent.url, dirs, kill))
+    finally:
+        kill.set()
+        thread.join()
+    accepted = sorted(step for step, status in answered.items() if status == 202)
+    assert len(accepted) >= COUNT // 4, f"only {len(accepted)} answered before the kill"
+    assert all(status == 202 for status in answered.values()), answered
+    assert len(answered) < COUNT, "the kill came too late to land mid-flight"
+
+    with ServeProcess(config, port, tmp_path / "serve.log", worker=False).start() as again:
+        with httpx.Client(base_url=again.url, timeout=30) as http:
+            listed = http.get("/v1/runs/k/checkpoints", params={"limit": 1000}).json()
+            present = {c["step"]: c for c in listed["checkpoints"]}
+            missing = [step for step in accepted if step not in present]
+            assert not missing, f"202 answered but lost after kill -9: {missing[:10]}"
+            # Whatever is there is whole: its shard, files and upload job.
+            for step in sorted(present)[:: max(1, len(present) // 40)]:
+                detail = http.get(f"/v1/runs/k/checkpoints/{step}").json()
+                assert detail["file_count"] == 2 and detail["total_bytes"] == step + 3
+                assert [f["path"] for f in detail["files"]] == ["meta.json", "w.bin"]
+                assert [j["kind"] for j in detail["jobs"]] == ["upload"], detail["jobs"]
+                assert len(detail["shards"]) == 1 and len(detail["replicas"]) == 1
+            # A registration that got no answer can simply be sent again.
+            unanswered = [step for step in range(COUNT) if step not in answered]
+            for step in unanswered[:20]:
+                answer = http.post(
+                    "/v1/checkpoints", json={"run": "k", "step": step, "path": str(dirs[step])}
+                )
+                assert answer.status_code in (200, 202), answer.text

@@ -1,0 +1,206 @@
+"""`latest` on a catalog written directly (the shape the register path and the
+workers leave), on SQLite and PostgreSQL: the answer skips everything
+invalid, carries the same shards, files, replicas and children as the detail
+view, and the queries behind it use indexes (issue 6: 100,000 checkpoints)."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import insert
+from sqlalchemy.dialects import sqlite
+
+from tests.support.agent import posix_region, running_agent, write_checkpoint
+from tierckpt.service.checkpoints import repository as repo
+from tierckpt.service.models import Checkpoint, File, Replica, Run, Shard, utcnow
+
+RUN = "big"
+# step -> (checkpoint state, east replica, west replica, quarantined)
+SHAPE: dict[int, tuple[str, str, str, bool]] = {
+    100: ("replicated", "committed", "committed", False),  # latest in west
+    200: ("durable", "committed", "pending", False),  # latest anywhere / in east
+    300: ("durable", "committed", "pending", True),  # quarantined
+    400: ("corrupt", "corrupt", "pending", False),
+    # The state is still durable but the only copy was just marked corrupt:
+    # the replica check alone must exclude it.
+    500: ("durable", "corrupt", "pending", False),
+    600: ("deleted", "deleted", "deleted", False),
+    700: ("failed", "pending", "pending", False),
+    800: ("uploading", "pending", "pending", False),
+    900: ("registered", "pending", "pending", False),
+}
+
+
+async def _seed(agent: Any, ssd_dir: Path) -> None:
+    now = utcnow()
+    async with agent.resources.sessionmaker() as session:
+        run = Run(name=RUN)
+        other = Run(name="other")
+        session.add_all([run, other])
+        await session.flush()
+        for n, (step, (state, east, west, quarantined)) in enumerate(sorted(SHAPE.items())):
+            checkpoint = Checkpoint(
+                run_id=run.id,
+                step=step,
+                state=state,
+                world_size=2,
+                parent_run=RUN if step > 100 else None,
+                parent_step=step - 100 if step > 100 else None,
+                created_at=now + timedelta(seconds=n),
+                durable_at=now if east != "pending" else None,
+                quarantined_at=now if quarantined else None,
+                file_count=4,
+            )
+            session.add(checkpoint)
+            await session.flush()
+            for rank in (0, 1):
+                shard = Shard(
+                    checkpoint_id=checkpoint.id,
+                    rank=rank,
+                    node=f"node-{rank}",
+                    path=str(ssd_dir / f"step-{step}" / f"rank-{rank}"),
+                    state="uploaded",
+                    fingerprint=f"{step:032d}{rank:032d}",
+                )
+                session.add(shard)
+                await session.flush()
+                await session.execute(
+                    insert(File),
+                    [
+                        {
+                            "shard_id": shard.id,
+                            "path": name,
+                            "size": 10 + rank,
+                            "mtime_ns": 1,
+                            "sha256": f"{step:060d}{rank:04d}",
+                        }
+                        for name in ("z-optim.pt", "a-model.pt")
+                    ],
+                )
+            for region, replica_state in (("east", east), ("west", west)):
+                session.add(
+                    Replica(
+                        checkpoint_id=checkpoint.id,
+                        region=region,
+                        state=replica_state,
+                        uri=f"/{region}/{RUN}/{step}/",
+                    )
+                )
+        # A checkpoint of another run that names step 200 as its parent.
+        session.add(
+            Checkpoint(run_id=other.id, step=5, state="registered", parent_run=RUN, parent_step=200)
+        )
+        await session.commit()
+
+
+async def test_latest_skips_every_invalid_kind_and_matches_the_detail_view(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    regions = [posix_region("east", tmp_path / "east"), posix_region("west", tmp_path / "west")]
+    async with running_agent(catalog_url, tmp_path, regions, start_worker=False) as agent:
+        await _seed(agent, tmp_path / "ssd")
+
+        answer = await agent.http.get(f"/v1/runs/{RUN}/latest")
+        assert answer.status_code == 200, answer.text
+        latest = answer.json()
+        assert latest["step"] == 200
+        assert latest["locations"] == [{"region": "east", "uri": f"/east/{RUN}/200/"}]
+        assert latest["local"] is None
+
+        # Everything but the locations is the detail view's answer.
+        detail = (await agent.http.get(f"/v1/runs/{RUN}/checkpoints/200")).json()
+        for key, value in detail.items():
+            if key not in ("jobs", "replicas"):
+                assert latest[key] == value, key
+        assert [r["region"] for r in latest["replicas"]] == ["east", "west"]
+        assert [(s["rank"], s["node"]) for s in latest["shards"]] == [(0, "node-0"), (1, "node-1")]
+        assert [(f["rank"], f["path"]) for f in latest["files"]] == [
+            (0, "a-model.pt"),
+            (0, "z-optim.pt"),
+            (1, "a-model.pt"),
+            (1, "z-optim.pt"),
+        ]
+        assert latest["children"] == [
+            {"run": RUN, "step": 300},
+            {"run": "other", "step": 5},
+        ]
+
+        assert (await agent.http.get(f"/v1/runs/{RUN}/latest?region=east")).json()["step"] == 200
+        assert (await agent.http.get(f"/v1/runs/{RUN}/latest?region=west")).json()["step"] == 100
+
+        missing = await agent.http.get("/v1/runs/no-such-run/latest")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "no_valid_checkpoint"
+        none_valid = await agent.http.get("/v1/runs/other/latest")
+        assert none_valid.status_code == 404
+        unknown = await agent.http.get(f"/v1/runs/{RUN}/latest?region=mars")
+        assert unknown.status_code == 400
+
+
+async def test_latest_on_this_node_reports_the_intact_local_copy(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    """The local-copy check now reuses the files the answer already loaded."""
+    async with running_agent(catalog_url, tmp_path) as agent:
+        ckpt = write_checkpoint(agent.ssd / "r" / "s1", {"w.bin": 100, "sub/o.bin": 10})
+        assert (await agent.register("r", 1, ckpt)).status_code == 202
+        await agent.wait_state("r", 1)
+        node = agent.settings.server.node
+
+        here = (await agent.http.get(f"/v1/runs/r/latest?node={node}")).json()
+        assert here["local"] == {"node": node, "path": str(ckpt)}
+        assert (await agent.http.get("/v1/runs/r/latest?node=elsewhere")).json()["local"] is None
+
+        (ckpt / "sub" / "o.bin").write_bytes(b"changed!!!")
+        changed = (await agent.http.get(f"/v1/runs/r/latest?node={node}")).json()
+        assert changed["step"] == 1 and changed["local"] is None
+
+
+def _plan(database: Path, statement: Any) -> str:
+    sql = str(statement.compile(dialect=sqlite.dialect(), compile_kwargs={"literal_binds": True}))
+    with sqlite3.connect(database) as connection:
+        rows = connection.execute(f"EXPLAIN QUERY PLAN {sql}").fetchall()
+    return "\n".join(str(r[-1]) for r in rows)
+
+
+class _Capture:
+    """Stands in for a session: keeps the statement a repository function builds."""
+
+    statement: Any = None
+    bind = None
+
+    async def scalar(self, statement: Any) -> None:
+        self.statement = statement
+
+    async def execute(self, statement: Any) -> list[Any]:
+        self.statement = statement
+        return []
+
+
+async def test_latest_queries_use_indexes_not_scans(tmp_path: Path) -> None:
+    """At 100,000 checkpoints a scan of `checkpoints` is tens of milliseconds:
+    the latest walk and the children lookup must both be index searches."""
+    database = tmp_path / "catalog.db"
+    url = f"sqlite+aiosqlite:///{database}"
+    async with running_agent(url, tmp_path, start_worker=False):
+        pass
+    plans = {}
+    for name, call in {
+        "latest": lambda s: repo.latest_valid_of_run(s, RUN, 1),
+        "latest_region": lambda s: repo.latest_valid_of_run(s, RUN, 1, "west"),
+        "children": lambda s: repo.children_of(s, RUN, 200),
+        "shards_with_files": lambda s: repo.shards_with_files(s, 1),
+    }.items():
+        capture = _Capture()
+        await call(capture)
+        plans[name] = _plan(database, capture.statement)
+    for name, plan in plans.items():
+        assert "SCAN checkpoints" not in plan, (name, plan)
+        assert "SCAN replicas" not in plan, (name, plan)
+        assert "SCAN files" not in plan, (name, plan)
+    # Highest step first straight from the (run_id, step) index: no sort of the run.
+    assert "TEMP B-TREE" not in plans["latest"], plans["latest"]
+    assert "ix_checkpoints_parent" in plans["children"], plans["children"]

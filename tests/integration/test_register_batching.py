@@ -1,0 +1,286 @@
+"""Group commit of registrations (service/checkpoints/batching.py), on SQLite
+and PostgreSQL: many concurrent registrations share one transaction, and
+still each one is answered on its own merits.
+
+The batching is driven two ways: through HTTP with many requests at once (the
+real path), and through ``RegistrationBatcher.submit`` gathered in one loop
+iteration, which puts every submitted registration in the same batch for sure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
+
+from tests.support import postgres as pg
+from tests.support.agent import Agent, running_agent, write_checkpoint
+from tests.support.tcpproxy import TcpProxy
+from tierckpt.service.checkpoints.batching import Outcome, batcher_for
+from tierckpt.service.checkpoints.scan import ScannedShard
+from tierckpt.service.checkpoints.schemas import RegisterRequest
+from tierckpt.service.checkpoints.service import submit_registration
+from tierckpt.service.errors import ApiError
+from tierckpt.service.models import Checkpoint, File, Job, Replica, Shard
+
+
+async def count(agent: Agent, model: Any) -> int:
+    async with agent.resources.sessionmaker() as session:
+        return int(await session.scalar(select(func.count()).select_from(model)) or 0)
+
+
+def request(agent: Agent, run: str, step: int, path: Path, **extra: Any) -> RegisterRequest:
+    return RegisterRequest.model_validate({"run": run, "step": step, "path": str(path), **extra})
+
+
+async def submit_together(agent: Agent, requests: list[RegisterRequest]) -> list[Any]:
+    """Submit in one loop iteration: one batch (checked by the caller)."""
+    return await asyncio.gather(
+        *(submit_registration(agent.resources, r) for r in requests), return_exceptions=True
+    )
+
+
+async def test_many_concurrent_registrations_are_all_committed(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        paths = [
+            write_checkpoint(agent.ssd / f"s{i}", {"w.bin": b"w" * i, "meta.json": b"{}"})
+            for i in range(120)
+        ]
+        answers = await asyncio.gather(
+            *(
+                agent.register(f"run-{i % 3}", i, path, metrics={"loss": i / 10})
+                for i, path in enumerate(paths)
+            )
+        )
+        assert [a.status_code for a in answers] == [202] * len(paths), [
+            a.text for a in answers if a.status_code != 202
+        ][:3]
+        batcher = batcher_for(agent.resources)
+        assert batcher.largest_batch > 1, "the registrations were not batched"
+        assert batcher.batches < len(paths)
+
+        # The answer is the committed record, identical to a read-back.
+        for i in (0, 57, 119):
+            body = answers[i].json()
+            assert (body["run"], body["step"], body["state"]) == (f"run-{i % 3}", i, "registered")
+            assert body["file_count"] == 2 and body["total_bytes"] == i + 2
+            assert body["metrics"] == {"loss": i / 10}
+            detail = await agent.http.get(f"/v1/runs/run-{i % 3}/checkpoints/{i}")
+            assert detail.status_code == 200
+            stored = detail.json()
+            for key in ("created_at", "shards", "replicas", "total_bytes", "priority", "children"):
+                assert stored[key] == body[key], key
+        assert await count(agent, Checkpoint) == len(paths)
+        assert await count(agent, Shard) == len(paths)
+        assert await count(agent, File) == 2 * len(paths)
+        assert await count(agent, Replica) == len(paths)
+        assert await count(agent, Job) == len(paths)
+        runs = (await agent.http.get("/v1/runs")).json()
+        assert runs["total"] == 3
+
+
+async def test_one_bad_registration_does_not_fail_its_batch(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        ssd = agent.ssd
+        old = write_checkpoint(ssd / "old", {"w.bin": b"old"})
+        assert (await agent.register("r", 1, old)).status_code == 202
+        assert (await agent.register("r", 2, old, world_size=2)).status_code == 202
+        good = [write_checkpoint(ssd / f"g{i}", {"w.bin": b"good"}) for i in range(10)]
+        changed = write_checkpoint(ssd / "changed", {"w.bin": b"new content"})
+
+        batcher = batcher_for(agent.resources)
+        before = batcher.batches
+        results = await submit_together(
+            agent,
+            [
+                *(request(agent, "r", 10 + i, p) for i, p in enumerate(good[:5])),
+                request(agent, "r", 1, changed),  # 409: different content
+                request(agent, "r", 2, changed, rank=1, world_size=4),  # 409: world size
+                *(request(agent, "r", 20 + i, p) for i, p in enumerate(good[5:])),
+            ],
+        )
+        assert batcher.batches == before + 1, "expected a single batch"
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert [(type(e), getattr(e, "status", None)) for e in errors] == [
+            (type(errors[0]), 409),
+            (type(errors[1]), 409),
+        ]
+        assert "different content" in str(errors[0]) and "world_size" in str(errors[1])
+        created = [r for r in results if isinstance(r, Outcome)]
+        assert len(created) == 10 and all(o.created for o in created)
+        for step in [*range(10, 15), *range(20, 25)]:
+            detail = await agent.http.get(f"/v1/runs/r/checkpoints/{step}")
+            assert detail.status_code == 200, step
+        # The refused ones changed nothing.
+        first = (await agent.http.get("/v1/runs/r/checkpoints/1")).json()
+        assert first["total_bytes"] == 3 and len(first["shards"]) == 1
+        second = (await agent.http.get("/v1/runs/r/checkpoints/2")).json()
+        assert second["world_size"] == 2 and len(second["shards"]) == 1
+
+
+async def test_a_statement_the_catalog_refuses_fails_only_that_registration(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    """A registration whose rows the database itself refuses (here: the same
+    file listed twice, against UNIQUE(shard, path)) rolls the batch back; the
+    batch is then written one by one and only that registration fails."""
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        paths = [write_checkpoint(agent.ssd / f"s{i}", {"w.bin": b"x"}) for i in range(6)]
+        resources = agent.resources
+        batcher = batcher_for(resources)
+        real_submit = batcher.submit
+
+        async def tampering_submit(registration: Any) -> Outcome:
+            if registration.request.step == 3:
+                scanned = registration.scanned
+                doubled = ScannedShard(
+                    directory=scanned.directory,
+                    files=[*scanned.files, *scanned.files],
+                    is_directory=scanned.is_directory,
+                )
+                registration = dataclasses.replace(registration, scanned=doubled)
+            return await real_submit(registration)
+
+        batcher.submit = tampering_submit  # type: ignore[method-assign]
+        try:
+            results = await submit_together(
+                agent, [request(agent, "r", i, p) for i, p in enumerate(paths)]
+            )
+        finally:
+            batcher.submit = real_submit  # type: ignore[method-assign]
+        failed = results[3]
+        assert isinstance(failed, Exception) and not isinstance(failed, ApiError), failed
+        assert all(isinstance(r, Outcome) and r.created for i, r in enumerate(results) if i != 3)
+        assert (await agent.http.get("/v1/runs/r/checkpoints/3")).status_code == 404
+        for step in (0, 1, 2, 4, 5):
+            assert (await agent.http.get(f"/v1/runs/r/checkpoints/{step}")).status_code == 200
+        assert await count(agent, Checkpoint) == 5
+        assert await count(agent, Job) == 5
+        # The step can be registered properly afterwards.
+        assert (await agent.register("r", 3, paths[3])).status_code == 202
+
+
+async def test_idempotent_and_multi_rank_within_one_batch(catalog_url: str, tmp_path: Path) -> None:
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        ckpt = write_checkpoint(agent.ssd / "a", {"w.bin": b"a"})
+        other = write_checkpoint(agent.ssd / "b", {"w.bin": b"bb"})
+        ranks = [
+            write_checkpoint(agent.ssd / f"rank{i}", {"w.bin": b"r" * (i + 1)}) for i in range(4)
+        ]
+        batcher = batcher_for(agent.resources)
+        before = batcher.batches
+        results = await submit_together(
+            agent,
+            [
+                request(agent, "r", 1, ckpt),
+                request(agent, "r", 1, ckpt, priority="urgent"),  # same content: 200, promotes
+                request(agent, "r", 1, other),  # different content, same rank: 409
+                *(request(agent, "r", 2, p, rank=i, world_size=4) for i, p in enumerate(ranks)),
+            ],
+        )
+        assert batcher.batches == before + 1
+        first, again, conflict, *shards = results
+        assert isinstance(first, Outcome) and first.created
+        assert isinstance(again, Outcome) and not again.created
+        assert isinstance(conflict, ApiError) and conflict.status == 409
+        assert all(isinstance(s, Outcome) and s.created for s in shards)
+
+        detail = (await agent.http.get("/v1/runs/r/checkpoints/1")).json()
+        assert detail["priority"] == "urgent" and detail["file_count"] == 1
+        assert [j["kind"] for j in detail["jobs"]] == ["upload"]
+        multi = (await agent.http.get("/v1/runs/r/checkpoints/2")).json()
+        assert sorted(s["rank"] for s in multi["shards"]) == [0, 1, 2, 3]
+        assert multi["total_bytes"] == 1 + 2 + 3 + 4 and multi["file_count"] == 4
+        async with agent.resources.sessionmaker() as session:
+            priorities = list(await session.scalars(select(Job.priority).order_by(Job.id)))
+        assert priorities[0] == 100  # the urgent re-register promoted the queued upload
+
+        # Over HTTP afterwards: the same answers (200 with the record, 409).
+        same = await agent.register("r", 1, ckpt)
+        assert same.status_code == 200 and same.json()["priority"] == "urgent"
+        assert (await agent.register("r", 1, other)).status_code == 409
+        rank = await agent.register("r", 2, ranks[1], rank=1, world_size=4)
+        assert rank.status_code == 200 and len(rank.json()["shards"]) == 4
+
+
+async def test_another_rank_of_an_existing_checkpoint_over_http(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        ranks = [write_checkpoint(agent.ssd / f"r{i}", {"w.bin": b"x" * 10}) for i in range(3)]
+        first = await agent.register("r", 5, ranks[0], rank=0, world_size=3)
+        assert first.status_code == 202 and len(first.json()["shards"]) == 1
+        rest = await asyncio.gather(
+            agent.register("r", 5, ranks[1], rank=1, world_size=3),
+            agent.register("r", 5, ranks[2], rank=2, world_size=3),
+        )
+        assert [a.status_code for a in rest] == [202, 202]
+        detail = (await agent.http.get("/v1/runs/r/checkpoints/5")).json()
+        assert detail["total_bytes"] == 30 and detail["file_count"] == 3
+        assert len(detail["jobs"]) == 3
+
+
+@pytest.mark.parametrize("priority", ["normal"])
+async def test_bad_input_never_reaches_the_batch(
+    catalog_url: str, tmp_path: Path, priority: str
+) -> None:
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        ckpt = write_checkpoint(agent.ssd / "a", {"w.bin": b"a"})
+        answers = await asyncio.gather(
+            agent.register("r", 1, ckpt, priority=priority),
+            agent.register("r", 2, tmp_path / "elsewhere"),
+            agent.register("r", 3, agent.ssd / "missing"),
+            agent.register("r", 4, ckpt, files=[{"path": "nope.bin", "sha256": "0" * 64}]),
+        )
+        assert [a.status_code for a in answers] == [202, 400, 400, 400]
+        assert await count(agent, Checkpoint) == 1
+
+
+@pytest.fixture
+def proxied_catalog(postgres_admin_url: str) -> Iterator[tuple[str, TcpProxy]]:
+    """A fresh PostgreSQL catalog reached only through a TcpProxy (cut = outage)."""
+    direct = pg.create_temp_database(postgres_admin_url, prefix="tierckpt_batch_outage_")
+    url = make_url(direct)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
+    try:
+        through = url.set(host="127.0.0.1", port=proxy.port)
+        yield through.render_as_string(hide_password=False), proxy
+    finally:
+        proxy.close()
+        pg.drop_database(direct, postgres_admin_url)
+
+
+@pytest.mark.postgres
+async def test_catalog_outage_fails_the_whole_batch_with_503_and_no_row(
+    proxied_catalog: tuple[str, TcpProxy], tmp_path: Path
+) -> None:
+    catalog_url, proxy = proxied_catalog
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        paths = [write_checkpoint(agent.ssd / f"s{i}", {"w.bin": b"x"}) for i in range(20)]
+        assert (await agent.register("r", 100, paths[0])).status_code == 202  # pool warm
+        proxy.cut()
+        answers = await asyncio.gather(*(agent.register("r", i, p) for i, p in enumerate(paths)))
+        assert [a.status_code for a in answers] == [503] * len(paths), [a.text for a in answers][:2]
+        assert all(a.json()["error"]["code"] == "catalog_unavailable" for a in answers)
+        assert all(a.headers.get("retry-after") for a in answers)
+        proxy.restore()
+        deadline = asyncio.get_running_loop().time() + 30
+        while (await agent.http.get("/v1/runs")).status_code != 200:
+            assert asyncio.get_running_loop().time() < deadline, "catalog did not come back"
+            await asyncio.sleep(0.1)
+        listed = (await agent.http.get("/v1/runs/r/checkpoints")).json()
+        assert [c["step"] for c in listed["checkpoints"]] == [100], "a refused batch left rows"
+        assert await count(agent, Job) == 1
+        # Sent again, they are registered.
+        again = await asyncio.gather(*(agent.register("r", i, p) for i, p in enumerate(paths)))
+        assert [a.status_code for a in again] == [202] * len(paths)
