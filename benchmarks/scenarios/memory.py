@@ -1,4 +1,4 @@
-"""Peak RSS of an agent while it uploads a 10 GB checkpoint (2 GB with --quick).
+"""Peak RSS of an agent while it uploads a 10 GiB checkpoint (2 GiB with --quick).
 
 A fresh agent (its own catalog, same SeaweedFS region, dedup off) uploads one
 sparse file of that size: the agent still reads, hashes and sends every byte
@@ -20,7 +20,9 @@ from tierckpt.client import CheckpointClient
 from ..context import BenchContext, log, settle
 from ..data import sparse_file
 from ..procstat import memory_kib
-from ..stats import GB, row
+from ..stats import row
+
+GiB = 1024**3
 
 NAME = "memory"
 TITLE = "Agent peak RSS while uploading one large checkpoint (MiB, lower is better)"
@@ -56,13 +58,13 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             # Frees SeaweedFS's space (no admin token: the bench agent has no auth).
             http.delete(f"/v1/runs/{RUN}/checkpoints/1", params={"force": "true"})
         peak_mib = peak["VmHWM"] / 1024
-        log(f"memory: {size / GB:.0f} GB in {seconds:.1f}s, peak RSS {peak_mib:.0f} MiB")
+        log(f"memory: {size / GiB:.0f} GiB in {seconds:.1f}s, peak RSS {peak_mib:.0f} MiB")
     finally:
         ctx.stop_agent(agent)
         for leftover in (ctx.ssd / RUN).rglob("*.bin"):
             leftover.unlink()
     settings = agent.settings.get("upload", {})
-    label = f"agent, {size / GB:.0f} GB checkpoint"
+    label = f"agent, {size / GiB:.0f} GiB checkpoint"
     parts = settings.get("parts_in_flight", 8) * settings.get("part_size_mb", 16)
     return {
         "rows": [
