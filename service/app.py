@@ -11,7 +11,12 @@ from fastapi import FastAPI
 from .advice.routes import router as advice_router
 from .checkpoints.routes import router as checkpoints_router
 from .config import Settings
-from .db import create_engine, create_read_sessionmaker, create_sessionmaker
+from .db import (
+    create_engine,
+    create_read_sessionmaker,
+    create_sessionmaker,
+    create_sync_readers,
+)
 from .errors import install_error_handlers
 from .health.routes import router as health_router
 from .integrity.jobs import VerifyJobs
@@ -49,6 +54,7 @@ async def open_resources(settings: Settings, *, start_worker: bool = True) -> Re
         engine=engine,
         sessionmaker=create_sessionmaker(engine),
         read_sessionmaker=create_read_sessionmaker(engine),
+        sync_readers=create_sync_readers(engine),
         stores=stores,
     )
     if start_worker and settings.worker.enabled:
@@ -80,6 +86,10 @@ async def close_resources(resources: Resources) -> None:
     if resources.registrations is not None:
         await resources.registrations.close()
     await resources.stores.aclose()
+    if resources.sync_readers is not None:
+        bind = resources.sync_readers.kw.get("bind")
+        if bind is not None:
+            bind.engine.dispose()
     await resources.engine.dispose()
 
 

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.orm import Session, sessionmaker
 
 
 def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
@@ -30,21 +31,31 @@ def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
     return engine
 
 
-def create_sync_engine(engine: AsyncEngine) -> Engine | None:
+def create_sync_engine(engine: AsyncEngine, pool_size: int = 1) -> Engine | None:
     """A synchronous (pysqlite) engine on the same SQLite file as ``engine``,
     with the same settings, for work that runs whole in one worker thread
-    (the registration writer); None for PostgreSQL or an in-memory database."""
+    (the registration writer, hot reads); None for PostgreSQL or an
+    in-memory database."""
     url = engine.url
     if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
         return None
     sync = sa_create_engine(
         url.set(drivername="sqlite"),
         connect_args={"timeout": 30, "check_same_thread": False},
-        pool_size=1,
+        pool_size=pool_size,
         max_overflow=1,
     )
     _sqlite_transactions(sync)
     return sync
+
+
+def create_sync_readers(engine: AsyncEngine) -> sessionmaker[Session] | None:
+    """Read-only plain sessions on SQLite (snapshot reads, no write lock),
+    to run a whole read in one thread hop; None on PostgreSQL."""
+    sync = create_sync_engine(engine, pool_size=4)
+    if sync is None:
+        return None
+    return sessionmaker(sync.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
 
 def _sqlite_transactions(engine: Engine) -> None:

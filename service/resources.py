@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from sqlalchemy import orm
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from .config import Settings
@@ -25,6 +26,9 @@ class Resources:
     stores: Stores
     # For GET requests: no write lock taken on SQLite (db.create_read_sessionmaker).
     read_sessionmaker: async_sessionmaker[AsyncSession] | None = field(default=None)
+    # SQLite only: plain (sync) read-only sessions, for hot reads that run
+    # whole in one worker thread (db.create_sync_readers).
+    sync_readers: orm.sessionmaker[orm.Session] | None = field(default=None)
     worker: Worker | None = field(default=None)
     scrubber: Scrubber | None = field(default=None)
     sweeper: RetentionSweeper | None = field(default=None)

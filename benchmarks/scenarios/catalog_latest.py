@@ -515,7 +515,13 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             build(db)
         agents = {
             db: ctx.start_agent(
-                f"latest-{db}", worker=False, catalog={"url": url}, regions=_regions(ctx)
+                f"latest-{db}",
+                worker=False,
+                catalog={"url": url},
+                regions=_regions(ctx),
+                # One client asking as fast as it can exceeds the default
+                # per-caller limit (200/s): the limiter would answer 429.
+                server={"rate_limit_per_second": 1_000_000, "rate_limit_burst": 1_000_000},
             )
             for db, url in catalogs.items()
         }

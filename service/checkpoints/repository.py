@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy import ColumnElement, Executable, Select, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import aliased
+from sqlalchemy.orm import Session, aliased
 
 from ..db import dialect_name
 from ..models import (
@@ -75,12 +76,7 @@ async def files_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[int,
 
 
 async def children_of(session: AsyncSession, run: str, step: int) -> list[tuple[str, int]]:
-    rows = await session.execute(
-        select(Run.name, Checkpoint.step)
-        .join(Run, Run.id == Checkpoint.run_id)
-        .where(Checkpoint.parent_run == run, Checkpoint.parent_step == step)
-        .order_by(Run.name, Checkpoint.step)
-    )
+    rows = await session.execute(_children_statement(run, step))
     return [(name, child_step) for name, child_step in rows]
 
 
@@ -149,16 +145,71 @@ def _latest_valid_statement(
     return statement
 
 
-async def shards_with_files(
-    session: AsyncSession, checkpoint_id: int
-) -> tuple[list[Shard], list[tuple[int, File]]]:
-    """A checkpoint's shards (by rank) and their files (by rank, path) in one query."""
-    rows = await session.execute(
+@dataclass
+class LatestRows:
+    """Everything `latest` answers with, read in one transaction."""
+
+    checkpoint: Checkpoint
+    shards: list[Shard]
+    files: list[tuple[int, File]]
+    replicas: list[Replica]
+    children: list[tuple[str, int]]
+
+
+def latest_rows(
+    session: Session, run: str, min_regions: int, region: str | None
+) -> LatestRows | None:
+    """The latest valid checkpoint of ``run`` and its shards, files, replicas
+    and children: four queries, written against a plain (sync) Session so the
+    whole read can run in one hop to a database thread (see
+    CheckpointService.latest) instead of several hops per query."""
+    run_id = select(Run.id).where(Run.name == run).scalar_subquery()
+    checkpoint = session.scalar(
+        _latest_valid_statement(Checkpoint.run_id == run_id, min_regions, region)
+    )
+    if checkpoint is None:
+        return None
+    shards: dict[int, Shard] = {}
+    files: list[tuple[int, File]] = []
+    for shard, file in session.execute(_shards_with_files_statement(checkpoint.id)):
+        shards.setdefault(shard.id, shard)
+        if file is not None:
+            files.append((shard.rank, file))
+    replicas = list(
+        session.scalars(
+            select(Replica).where(Replica.checkpoint_id == checkpoint.id).order_by(Replica.id)
+        )
+    )
+    children = [
+        (name, child_step)
+        for name, child_step in session.execute(_children_statement(run, checkpoint.step))
+    ]
+    return LatestRows(checkpoint, list(shards.values()), files, replicas, children)
+
+
+def _shards_with_files_statement(checkpoint_id: int) -> Executable:
+    return (
         select(Shard, File)
         .outerjoin(File, File.shard_id == Shard.id)
         .where(Shard.checkpoint_id == checkpoint_id)
         .order_by(Shard.rank, File.path)
     )
+
+
+def _children_statement(run: str, step: int) -> Executable:
+    return (
+        select(Run.name, Checkpoint.step)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Checkpoint.parent_run == run, Checkpoint.parent_step == step)
+        .order_by(Run.name, Checkpoint.step)
+    )
+
+
+async def shards_with_files(
+    session: AsyncSession, checkpoint_id: int
+) -> tuple[list[Shard], list[tuple[int, File]]]:
+    """A checkpoint's shards (by rank) and their files (by rank, path) in one query."""
+    rows = await session.execute(_shards_with_files_statement(checkpoint_id))
     shards: dict[int, Shard] = {}
     files: list[tuple[int, File]] = []
     for shard, file in rows:

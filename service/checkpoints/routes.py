@@ -96,13 +96,21 @@ async def get_checkpoint(
 @router.get("/runs/{run}/latest", response_model=LatestOut)
 async def latest_checkpoint(
     run: str,
-    service: CheckpointServiceDep,
+    request: Request,
     principal: PrincipalDep,
     region: str | None = None,
     node: str | None = None,
-) -> LatestOut:
+) -> Response:
     authorize(principal, Action.READ, run)
-    return await service.latest(run, region, node)
+    # The question every restart asks, kept lean: no request-session
+    # dependency chain (on SQLite the read runs in one hop on its own
+    # connection; elsewhere in a read-only session opened here), and the
+    # answer is serialized once rather than validated again by FastAPI.
+    resources: Resources = request.app.state.resources
+    maker = resources.read_sessionmaker or resources.sessionmaker
+    async with maker() as session:
+        latest = await CheckpointService(session, resources).latest(run, region, node)
+    return Response(latest.model_dump_json(), media_type="application/json")
 
 
 @router.get("/runs/{run}/checkpoints/{step}/download", response_model=RestorePlan)
