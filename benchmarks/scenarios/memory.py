@@ -1,4 +1,4 @@
-"""Peak RSS of an agent while it uploads a 10 GiB checkpoint (2 GiB with --quick).
+"""Peak RSS of an agent while it uploads a 10 GiB checkpoint (1 GiB with --quick).
 
 A fresh agent (its own catalog, same SeaweedFS region, dedup off) uploads one
 sparse file of that size: the agent still reads, hashes and sends every byte
@@ -33,7 +33,7 @@ TIMEOUT = 1800
 
 
 def run(ctx: BenchContext) -> dict[str, Any]:
-    size = (2 if ctx.quick else 10) * 1024**3
+    size = (1 if ctx.quick else 10) * 1024**3
     agent = ctx.start_agent("memory")
     try:
         path = sparse_file(ctx.ssd / RUN / "step-1" / "model.bin", size)
