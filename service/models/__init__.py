@@ -3,7 +3,7 @@
 from .base import Base, utcnow
 from .checkpoint import VALID_STATES, Checkpoint, CheckpointState
 from .file import File
-from .job import PRIORITY, Job, JobKind, JobState
+from .job import PRIORITY, Job, JobKind, JobState, priority_of
 from .replica import Replica, ReplicaState
 from .run import Run
 from .shard import Shard, ShardState
@@ -23,5 +23,6 @@ __all__ = [
     "Run",
     "Shard",
     "ShardState",
+    "priority_of",
     "utcnow",
 ]

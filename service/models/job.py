@@ -31,6 +31,11 @@ class JobState(enum.StrEnum):
 PRIORITY = {"normal": 0, "urgent": 100}
 
 
+def priority_of(checkpoint_priority: str) -> int:
+    """The claim priority of a checkpoint's jobs (unknown names: normal)."""
+    return PRIORITY.get(checkpoint_priority, 0)
+
+
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (

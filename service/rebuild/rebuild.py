@@ -81,7 +81,6 @@ from ..db import create_engine, create_sessionmaker, transaction
 from ..jobs import queue
 from ..migrate import upgrade
 from ..models import (
-    PRIORITY,
     Checkpoint,
     CheckpointState,
     File,
@@ -90,6 +89,7 @@ from ..models import (
     ReplicaState,
     Shard,
     ShardState,
+    priority_of,
     utcnow,
 )
 from ..replication.jobs import REPLICATE_MAX_ATTEMPTS
@@ -708,7 +708,7 @@ async def _enqueue_repairs(
                 JobKind.REPLICATE,
                 checkpoint.id,
                 region=region,
-                priority=PRIORITY.get(checkpoint.priority, 0),
+                priority=priority_of(checkpoint.priority),
                 max_attempts=REPLICATE_MAX_ATTEMPTS,
             )
     return added

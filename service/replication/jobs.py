@@ -24,7 +24,6 @@ from ..db import transaction
 from ..jobs import queue
 from ..jobs.worker import JobHandler, PermanentJobError
 from ..models import (
-    PRIORITY,
     Checkpoint,
     CheckpointState,
     Job,
@@ -32,6 +31,7 @@ from ..models import (
     JobState,
     Replica,
     ReplicaState,
+    priority_of,
     utcnow,
 )
 from ..observability import context, metrics
@@ -83,7 +83,7 @@ async def enqueue_replication(
             JobKind.REPLICATE,
             checkpoint.id,
             region=replica.region,
-            priority=PRIORITY.get(checkpoint.priority, 0),
+            priority=priority_of(checkpoint.priority),
             max_attempts=REPLICATE_MAX_ATTEMPTS,
             # An upload from T0 is filling that region already: the replicate
             # job is the safety net (node lost, upload failed), not a rival.

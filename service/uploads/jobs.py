@@ -26,6 +26,7 @@ from ..models import (
     Run,
     Shard,
     ShardState,
+    priority_of,
     utcnow,
 )
 from ..observability import metrics
@@ -214,7 +215,7 @@ class UploadJobs:
                 JobKind.COMMIT,
                 checkpoint.id,
                 region=region,
-                priority=job_priority(checkpoint),
+                priority=priority_of(checkpoint.priority),
                 max_attempts=self.r.settings.worker.max_attempts,
             )
 
@@ -353,9 +354,3 @@ async def _record_hashes(
                 f"{f.path}: SHA-256 {digest} differs from {f.sha256} read earlier; "
                 "the file changed after registration"
             )
-
-
-def job_priority(checkpoint: Checkpoint) -> int:
-    from ..models import PRIORITY
-
-    return PRIORITY.get(checkpoint.priority, 0)
