@@ -76,7 +76,7 @@ async def files_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[int,
 
 
 async def children_of(session: AsyncSession, run: str, step: int) -> list[tuple[str, int]]:
-    rows = await session.execute(_children_statement(run, step))
+    rows = await session.execute(children_statement(run, step))
     return [(name, child_step) for name, child_step in rows]
 
 
@@ -94,14 +94,10 @@ async def latest_valid(
     )
 
 
-async def latest_valid_of_run(
-    session: AsyncSession, run: str, min_regions: int, region: str | None = None
-) -> Checkpoint | None:
-    """``latest_valid`` by run name, in one round trip (no separate run lookup)."""
+def latest_of_run_statement(run: str, min_regions: int, region: str | None) -> Executable:
+    """``latest_valid`` by run name, in one query (no separate run lookup)."""
     run_id = select(Run.id).where(Run.name == run).scalar_subquery()
-    return await session.scalar(
-        _latest_valid_statement(Checkpoint.run_id == run_id, min_regions, region)
-    )
+    return _latest_valid_statement(Checkpoint.run_id == run_id, min_regions, region)
 
 
 def _latest_valid_statement(
@@ -163,15 +159,12 @@ def latest_rows(
     and children: four queries, written against a plain (sync) Session so the
     whole read can run in one hop to a database thread (see
     CheckpointService.latest) instead of several hops per query."""
-    run_id = select(Run.id).where(Run.name == run).scalar_subquery()
-    checkpoint = session.scalar(
-        _latest_valid_statement(Checkpoint.run_id == run_id, min_regions, region)
-    )
+    checkpoint = session.scalar(latest_of_run_statement(run, min_regions, region))
     if checkpoint is None:
         return None
     shards: dict[int, Shard] = {}
     files: list[tuple[int, File]] = []
-    for shard, file in session.execute(_shards_with_files_statement(checkpoint.id)):
+    for shard, file in session.execute(shards_with_files_statement(checkpoint.id)):
         shards.setdefault(shard.id, shard)
         if file is not None:
             files.append((shard.rank, file))
@@ -182,12 +175,12 @@ def latest_rows(
     )
     children = [
         (name, child_step)
-        for name, child_step in session.execute(_children_statement(run, checkpoint.step))
+        for name, child_step in session.execute(children_statement(run, checkpoint.step))
     ]
     return LatestRows(checkpoint, list(shards.values()), files, replicas, children)
 
 
-def _shards_with_files_statement(checkpoint_id: int) -> Executable:
+def shards_with_files_statement(checkpoint_id: int) -> Executable:
     return (
         select(Shard, File)
         .outerjoin(File, File.shard_id == Shard.id)
@@ -196,27 +189,13 @@ def _shards_with_files_statement(checkpoint_id: int) -> Executable:
     )
 
 
-def _children_statement(run: str, step: int) -> Executable:
+def children_statement(run: str, step: int) -> Executable:
     return (
         select(Run.name, Checkpoint.step)
         .join(Run, Run.id == Checkpoint.run_id)
         .where(Checkpoint.parent_run == run, Checkpoint.parent_step == step)
         .order_by(Run.name, Checkpoint.step)
     )
-
-
-async def shards_with_files(
-    session: AsyncSession, checkpoint_id: int
-) -> tuple[list[Shard], list[tuple[int, File]]]:
-    """A checkpoint's shards (by rank) and their files (by rank, path) in one query."""
-    rows = await session.execute(_shards_with_files_statement(checkpoint_id))
-    shards: dict[int, Shard] = {}
-    files: list[tuple[int, File]] = []
-    for shard, file in rows:
-        shards.setdefault(shard.id, shard)
-        if file is not None:
-            files.append((shard.rank, file))
-    return list(shards.values()), files
 
 
 async def list_checkpoints(

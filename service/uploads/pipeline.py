@@ -6,9 +6,10 @@ buffers), strictly in order so one hash covers the file; the part is then
 sent while the next one is read. The pool, shared by all files, bounds the
 parts held in memory (``parts_in_flight × part_size``) whatever the
 checkpoint's size, and its buffers are reused: no part is allocated, faulted
-in or copied again on its way to the socket (botocore takes a ``bytearray``
-body as is; a ``bytes`` one it wraps in a BytesIO that aiohttp then copies
-whole on the event loop — measured at ~1.4 s of loop time per GB).
+in or copied again on its way to the socket: a part is a view of its buffer,
+and the store sends it as is (see ``storage/s3.py`` ``_PartBody``; a
+``bytes`` body would be copied whole on the event loop by botocore and
+aiohttp — measured at ~1.4 s of loop time per GB).
 """
 
 from __future__ import annotations
@@ -70,14 +71,13 @@ Dedup = Callable[[SourceFile, list[Path]], Awaitable[UploadedFile | None]]
 
 def _read_and_hash(
     fd: int, offset: int, buffer: bytearray, length: int, source: SourceFile, hasher: hashlib._Hash
-) -> bytearray:
-    """Fill ``buffer[:length]`` from the file, hash it; the body to send: the
-    buffer itself when the part fills it, else a copy of the part (a file's
-    last part, or a small file: botocore needs a body of the exact size)."""
+) -> memoryview:
+    """Fill ``buffer[:length]`` from the file, hash it; the part to send is a
+    view of the buffer (the store sends it without copying, see s3._body)."""
     view = memoryview(buffer)[:length]
     read_into(fd, offset, view, source)
     hasher.update(view)
-    return buffer if length == len(buffer) else bytearray(view)
+    return view
 
 
 async def upload_file(
@@ -130,7 +130,7 @@ async def _multipart(
     upload = await store.create_multipart(source.key)
     sends: list[asyncio.Task[PartRef]] = []
 
-    async def send(number: int, offset: int, buffer: bytearray, data: bytearray) -> PartRef:
+    async def send(number: int, offset: int, buffer: bytearray, data: memoryview) -> PartRef:
         try:
             return await store.upload_part(upload, number, offset, data)
         finally:
