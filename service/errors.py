@@ -101,7 +101,7 @@ def is_catalog_outage(exc: BaseException) -> bool:
     return isinstance(exc, _DRIVER_OUTAGES)
 
 
-def _catalog_unavailable() -> JSONResponse:
+def catalog_unavailable() -> JSONResponse:
     return JSONResponse(
         error_body("catalog_unavailable", "the catalog database is unreachable; retry shortly"),
         status_code=503,
@@ -202,7 +202,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _catalog_error(_request: Request, exc: DBAPIError) -> JSONResponse:
         if is_catalog_outage(exc):
             log.warning("catalog unavailable: %s", exc)
-            return _catalog_unavailable()
+            return catalog_unavailable()
         if isinstance(exc, DataError):
             # e.g. a number beyond the column's range; the input, not the server.
             return JSONResponse(
@@ -227,7 +227,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _outage_or_internal(_request: Request, exc: Exception) -> JSONResponse:
         if is_catalog_outage(exc):
             log.warning("catalog unavailable: %s", exc)
-            return _catalog_unavailable()
+            return catalog_unavailable()
         log.error("unexpected error", exc_info=exc)
         return _internal_error()
 
@@ -239,7 +239,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         if is_catalog_outage(exc):
-            return _catalog_unavailable()
+            return catalog_unavailable()
         log.exception("unexpected error")
         return _internal_error()
 

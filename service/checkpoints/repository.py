@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Executable, Select, func, select
+from sqlalchemy import ColumnElement, Executable, Select, String, bindparam, cast, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, aliased
@@ -95,13 +96,18 @@ async def latest_valid(
 
 
 def latest_of_run_statement(run: str, min_regions: int, region: str | None) -> Executable:
-    """``latest_valid`` by run name, in one query (no separate run lookup)."""
-    run_id = select(Run.id).where(Run.name == run).scalar_subquery()
-    return _latest_valid_statement(Checkpoint.run_id == run_id, min_regions, region)
+    """``latest_valid`` by run name, in one query (no separate run lookup):
+    the statement `latest` runs, with its parameters bound."""
+    return LATEST_STATEMENTS[region is not None].params(
+        run=run, min_regions=min_regions, region=region
+    )
 
 
 def _latest_valid_statement(
-    of_run: ColumnElement[bool], min_regions: int, region: str | None
+    of_run: ColumnElement[bool],
+    min_regions: int | ColumnElement[int],
+    region: str | ColumnElement[str] | None,
+    columns: Sequence[Any] = (Checkpoint,),
 ) -> Select[Any]:  # Select[Checkpoint] on SQLAlchemy 2.1, Select[tuple[...]] on 2.0
     # Plan (both databases, checked with EXPLAIN at 100,000 checkpoints): walk
     # the (run_id, step) unique index backwards from the highest step and stop
@@ -116,7 +122,7 @@ def _latest_valid_statement(
         .scalar_subquery()
     )
     statement = (
-        select(Checkpoint)
+        select(*columns)
         .where(
             of_run,
             Checkpoint.state.in_(VALID_STATES),
@@ -141,61 +147,166 @@ def _latest_valid_statement(
     return statement
 
 
+# -- latest: the hot read -----------------------------------------------------
+# Built once, with bound parameters, selecting columns rather than entities:
+# profiled at 100,000 checkpoints, building the statements on every call (and
+# their cache keys) and loading ORM entities cost as much CPU as everything
+# else in a `latest` answer. Two statements, not four: on PostgreSQL every
+# statement is a round trip and a wake-up of the server, and those were most
+# of the latency. Rows come back as named tuples whose attributes are the
+# ORM's names (checkpoint metadata is labelled `meta`).
+_CHECKPOINT_COLUMNS = [
+    column.label("meta") if column.key == "metadata" else column
+    for column in Checkpoint.__table__.c
+]
+_RUN_ID = select(Run.id).where(Run.name == bindparam("run")).scalar_subquery()
+# Run names are [A-Za-z0-9._-] (RUN_NAME), so "name:step" joined by "," is
+# parsed back unambiguously: the children ride along in one column.
+CHILD_SEPARATOR, CHILD_STEP_SEPARATOR = ",", ":"
+
+
+def _latest_with_replicas(with_region: bool) -> Select[Any]:
+    """The latest valid checkpoint (one row per replica, or one with null
+    replica columns) and its children as one "name:step,..." string."""
+    latest = _latest_valid_statement(
+        Checkpoint.run_id == _RUN_ID,
+        bindparam("min_regions"),
+        bindparam("region") if with_region else None,
+        _CHECKPOINT_COLUMNS,
+    ).subquery("latest")
+    child, child_run = aliased(Checkpoint), aliased(Run)
+    children = (
+        select(
+            func.aggregate_strings(
+                child_run.name + CHILD_STEP_SEPARATOR + cast(child.step, String), CHILD_SEPARATOR
+            )
+        )
+        .select_from(child)
+        .join(child_run, child_run.id == child.run_id)
+        .where(child.parent_run == bindparam("run"), child.parent_step == latest.c.step)
+        .scalar_subquery()
+    )
+    return (
+        select(
+            latest,
+            children.label("children"),
+            *(column.label(f"replica_{column.key}") for column in Replica.__table__.c),
+        )
+        .outerjoin(Replica, Replica.checkpoint_id == latest.c.id)
+        .order_by(Replica.id)
+    )
+
+
+LATEST_STATEMENTS: dict[bool, Select[Any]] = {
+    with_region: _latest_with_replicas(with_region) for with_region in (False, True)
+}
+SHARDS_WITH_FILES = (
+    select(
+        Shard.id,
+        Shard.rank,
+        Shard.node,
+        Shard.path,
+        Shard.state,
+        Shard.error,
+        File.path.label("file_path"),
+        File.size.label("file_size"),
+        File.mtime_ns.label("file_mtime_ns"),
+        File.sha256.label("file_sha256"),
+    )
+    .outerjoin(File, File.shard_id == Shard.id)
+    .where(Shard.checkpoint_id == bindparam("checkpoint_id"))
+    .order_by(Shard.rank, File.path)
+)
+CHILDREN = (
+    select(Run.name, Checkpoint.step)
+    .join(Run, Run.id == Checkpoint.run_id)
+    .where(Checkpoint.parent_run == bindparam("run"), Checkpoint.parent_step == bindparam("step"))
+    .order_by(Run.name, Checkpoint.step)
+)
+
+
+# A sqlalchemy Row, read by attribute (its columns' labels). Its precise
+# generic type differs between SQLAlchemy 2.0 and 2.1 and adds nothing here.
+CatalogRow = Any
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    region: str
+    state: str
+    uri: str
+    verified_at: datetime | None
+    committed_at: datetime | None
+    error: str | None
+
+
 @dataclass
 class LatestRows:
-    """Everything `latest` answers with, read in one transaction."""
+    """Everything `latest` answers with, read in one transaction, as rows
+    (attribute access by the ORM's names; see the statements above)."""
 
-    checkpoint: Checkpoint
-    shards: list[Shard]
-    files: list[tuple[int, File]]
-    replicas: list[Replica]
+    checkpoint: CatalogRow
+    shards: list[CatalogRow]
+    # (rank, path, size, mtime_ns, sha256) of every file, by rank then path.
+    files: list[CatalogRow]
+    replicas: list[ReplicaRow]
     children: list[tuple[str, int]]
+
+
+def _children(joined: str | None) -> list[tuple[str, int]]:
+    if not joined:
+        return []
+    out = []
+    for child in joined.split(CHILD_SEPARATOR):
+        name, _, step = child.rpartition(CHILD_STEP_SEPARATOR)
+        out.append((name, int(step)))
+    return sorted(out)
 
 
 def latest_rows(
     session: Session, run: str, min_regions: int, region: str | None
 ) -> LatestRows | None:
     """The latest valid checkpoint of ``run`` and its shards, files, replicas
-    and children: four queries, written against a plain (sync) Session so the
-    whole read can run in one hop to a database thread (see
-    CheckpointService.latest) instead of several hops per query."""
-    checkpoint = session.scalar(latest_of_run_statement(run, min_regions, region))
-    if checkpoint is None:
+    and children: two queries on the session's connection, written against a
+    plain (sync) Session so the whole read can run in one hop to a database
+    thread (see CheckpointService.latest) instead of several hops per query."""
+    connection = session.connection()
+    rows = connection.execute(
+        LATEST_STATEMENTS[region is not None],
+        {"run": run, "min_regions": min_regions, "region": region},
+    ).all()
+    if not rows:
         return None
-    shards: dict[int, Shard] = {}
-    files: list[tuple[int, File]] = []
-    for shard, file in session.execute(shards_with_files_statement(checkpoint.id)):
-        shards.setdefault(shard.id, shard)
-        if file is not None:
-            files.append((shard.rank, file))
-    replicas = list(
-        session.scalars(
-            select(Replica).where(Replica.checkpoint_id == checkpoint.id).order_by(Replica.id)
+    checkpoint = rows[0]
+    replicas = [
+        ReplicaRow(
+            region=r.replica_region,
+            state=r.replica_state,
+            uri=r.replica_uri,
+            verified_at=r.replica_verified_at,
+            committed_at=r.replica_committed_at,
+            error=r.replica_error,
         )
-    )
-    children = [
-        (name, child_step)
-        for name, child_step in session.execute(children_statement(run, checkpoint.step))
+        for r in rows
+        if r.replica_id is not None
     ]
-    return LatestRows(checkpoint, list(shards.values()), files, replicas, children)
+    shards: dict[int, CatalogRow] = {}
+    files: list[CatalogRow] = []
+    for row in connection.execute(SHARDS_WITH_FILES, {"checkpoint_id": checkpoint.id}):
+        shards.setdefault(row.id, row)
+        if row.file_path is not None:
+            files.append(row)
+    return LatestRows(
+        checkpoint, list(shards.values()), files, replicas, _children(checkpoint.children)
+    )
 
 
 def shards_with_files_statement(checkpoint_id: int) -> Executable:
-    return (
-        select(Shard, File)
-        .outerjoin(File, File.shard_id == Shard.id)
-        .where(Shard.checkpoint_id == checkpoint_id)
-        .order_by(Shard.rank, File.path)
-    )
+    return SHARDS_WITH_FILES.params(checkpoint_id=checkpoint_id)
 
 
 def children_statement(run: str, step: int) -> Executable:
-    return (
-        select(Run.name, Checkpoint.step)
-        .join(Run, Run.id == Checkpoint.run_id)
-        .where(Checkpoint.parent_run == run, Checkpoint.parent_step == step)
-        .order_by(Run.name, Checkpoint.step)
-    )
+    return CHILDREN.params(run=run, step=step)
 
 
 async def list_checkpoints(

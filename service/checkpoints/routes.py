@@ -11,6 +11,7 @@ from ..auth import Action, Principal, authenticate, authorize
 from ..deps import CheckpointServiceDep, PrincipalDep
 from ..models import CheckpointState
 from ..resources import Resources
+from .latest_answer import latest_json
 from .schemas import (
     CheckpointOut,
     CheckpointPage,
@@ -102,15 +103,10 @@ async def latest_checkpoint(
     node: str | None = None,
 ) -> Response:
     authorize(principal, Action.READ, run)
-    # The question every restart asks, kept lean: no request-session
-    # dependency chain (on SQLite the read runs in one hop on its own
-    # connection; elsewhere in a read-only session opened here), and the
-    # answer is serialized once rather than validated again by FastAPI.
-    resources: Resources = request.app.state.resources
-    maker = resources.read_sessionmaker or resources.sessionmaker
-    async with maker() as session:
-        latest = await CheckpointService(session, resources).latest(run, region, node)
-    return Response(latest.model_dump_json(), media_type="application/json")
+    # Usually answered below the routing (latest_path.py); here it is asked
+    # by requests that path passes on, so the errors are worded in one place.
+    body = await latest_json(request.app.state.resources, run, region, node)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/runs/{run}/checkpoints/{step}/download", response_model=RestorePlan)

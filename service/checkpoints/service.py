@@ -5,22 +5,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, TypeVar
 from urllib.parse import quote
 
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import BadInput, Conflict, NotFound
 from ..models import (
     PRIORITY,
     Checkpoint,
     CheckpointState,
-    File,
     Replica,
     ReplicaState,
     Shard,
@@ -36,11 +30,8 @@ from .schemas import (
     CheckpointOut,
     FileOut,
     JobOut,
-    LatestOut,
     LineageNode,
     LineageOut,
-    LocalCopyOut,
-    LocationOut,
     PlanFile,
     PlanSource,
     RefOut,
@@ -49,17 +40,7 @@ from .schemas import (
     RestorePlan,
     ShardOut,
 )
-
-
-def replication_lag(checkpoint: Checkpoint, replica: Replica) -> float | None:
-    if checkpoint.durable_at is None:
-        return None
-    if replica.state == ReplicaState.COMMITTED and replica.committed_at is not None:
-        return max(0.0, (replica.committed_at - checkpoint.durable_at).total_seconds())
-    if replica.state == ReplicaState.PENDING:
-        return (utcnow() - checkpoint.durable_at).total_seconds()
-    return None
-
+from .state import replication_lag
 
 # A directory with at most this many entries is listed on the event loop
 # (tens of microseconds); a larger one in a worker thread.
@@ -102,16 +83,6 @@ async def submit_registration(resources: Resources, request: RegisterRequest) ->
         request=request, scanned=scanned, hashes=hashes, fingerprint=fingerprint(scanned, hashes)
     )
     return await batcher_for(resources).submit(registration)
-
-
-T = TypeVar("T")
-
-
-def _in_sync_session(maker: sessionmaker[Session], read: Callable[..., T], *args: Any) -> T:
-    """Run ``read`` in one (read-only) transaction of a plain Session, in the
-    calling thread; the rows come back detached, fully loaded."""
-    with maker() as session, session.begin():
-        return read(session, *args)
 
 
 class CheckpointService:
@@ -291,76 +262,6 @@ class CheckpointService:
             pinned=pinned,
         )
         return await self.describe_many(run, page), total
-
-    async def latest(self, run: str, region: str | None, node: str | None) -> LatestOut:
-        if region is not None and region not in self.r.stores:
-            raise BadInput(
-                f"unknown region {region!r}; configured: {', '.join(self.r.stores)}",
-                code="unknown_region",
-            )
-        # The same answer as describe(with_files=True), in four queries. On
-        # SQLite every query through aiosqlite costs several thread hand-offs
-        # (~46 per answer, most of the agent's CPU for it): the four run in
-        # one hop on the agent's plain-sqlite read engine, in one snapshot.
-        min_regions = self.settings.durability.min_regions
-        readers = self.r.sync_readers
-        if readers is not None:
-            rows = await asyncio.to_thread(
-                _in_sync_session, readers, repo.latest_rows, run, min_regions, region
-            )
-        else:
-            rows = await self.session.run_sync(repo.latest_rows, run, min_regions, region)
-        if rows is None:
-            where = f" in region {region}" if region else ""
-            raise NotFound(
-                f"run {run!r} has no valid checkpoint{where} yet", code="no_valid_checkpoint"
-            )
-        checkpoint, shards, files = rows.checkpoint, rows.shards, rows.files
-        replicas, children = rows.replicas, rows.children
-        out = self._to_out(
-            run,
-            checkpoint,
-            shards,
-            replicas,
-            children,
-            [FileOut(rank=rank, path=f.path, size=f.size, sha256=f.sha256) for rank, f in files],
-        )
-        locations = [
-            LocationOut(region=r.region, uri=r.uri)
-            for r in out.replicas
-            if r.state == ReplicaState.COMMITTED
-        ]
-        local = await self._local_copy(checkpoint, out, node, files)
-        return LatestOut(**dict(out), locations=locations, local=local)
-
-    async def _local_copy(
-        self,
-        checkpoint: Checkpoint,
-        out: CheckpointOut,
-        node: str | None,
-        files: Sequence[tuple[int, File]],
-    ) -> LocalCopyOut | None:
-        """The T0 copy, only when this agent is that node and can check the
-        files are still exactly what was uploaded (size and mtime)."""
-        if node is None or node != self.settings.server.node or checkpoint.world_size != 1:
-            return None
-        shard = out.shards[0]
-        if shard.node != node:
-            return None
-
-        def intact() -> bool:
-            for _rank, f in files:
-                try:
-                    info = os.stat(Path(shard.path) / f.path)
-                except OSError:
-                    return False
-                if info.st_size != f.size or info.st_mtime_ns != f.mtime_ns:
-                    return False
-            return True
-
-        if await asyncio.to_thread(intact):
-            return LocalCopyOut(node=node, path=shard.path)
-        return None
 
     async def verify(self, run: str, step: int) -> CheckpointOut:
         """Queue a re-read and re-hash of every copy of the checkpoint."""

@@ -9,6 +9,9 @@ transaction that changes a replica.
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import Protocol
+
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -64,3 +67,27 @@ async def refresh_state(
             f"no intact copy in enough regions ({committed} of {min_regions} needed); "
             "repair scheduled where a good source exists"
         )
+
+
+class _Durable(Protocol):
+    @property
+    def durable_at(self) -> datetime | None: ...
+
+
+class _Committed(Protocol):
+    @property
+    def state(self) -> str: ...
+    @property
+    def committed_at(self) -> datetime | None: ...
+
+
+def replication_lag(checkpoint: _Durable, replica: _Committed) -> float | None:
+    """How long a replica took to commit after the first durable copy, or
+    (still pending) how long it has been waiting; ORM objects or rows."""
+    if checkpoint.durable_at is None:
+        return None
+    if replica.state == ReplicaState.COMMITTED and replica.committed_at is not None:
+        return max(0.0, (replica.committed_at - checkpoint.durable_at).total_seconds())
+    if replica.state == ReplicaState.PENDING:
+        return (utcnow() - checkpoint.durable_at).total_seconds()
+    return None

@@ -11,7 +11,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints import repository as repo
-from ..checkpoints.service import replication_lag
+from ..checkpoints.state import replication_lag
 from ..config import Settings
 from ..models import (
     Checkpoint,

@@ -15,6 +15,7 @@ from sqlalchemy.dialects import sqlite
 
 from tests.support.agent import posix_region, running_agent, write_checkpoint
 from tierckpt.service.checkpoints import repository as repo
+from tierckpt.service.checkpoints.schemas import LatestOut
 from tierckpt.service.models import Checkpoint, File, Replica, Run, Shard, utcnow
 
 RUN = "big"
@@ -53,6 +54,10 @@ async def _seed(agent: Any, ssd_dir: Path) -> None:
                 durable_at=now if east != "pending" else None,
                 quarantined_at=now if quarantined else None,
                 file_count=4,
+                metrics={"loss": step / 64, "tokens": 1e12 + step},
+                meta={"note": "é ünïcode", "nested": {"lr": [1, 2.5]}},
+                write_seconds=1.25,
+                epoch=step // 100,
             )
             session.add(checkpoint)
             await session.flush()
@@ -110,11 +115,22 @@ async def test_latest_skips_every_invalid_kind_and_matches_the_detail_view(
         assert latest["locations"] == [{"region": "east", "uri": f"/east/{RUN}/200/"}]
         assert latest["local"] is None
 
-        # Everything but the locations is the detail view's answer.
+        # `latest` writes its JSON without the response models: it must be
+        # exactly a LatestOut, and everything but the locations (and the
+        # detail view's jobs) is the detail view's answer, which is built
+        # through the ORM and the models.
+        assert LatestOut.model_validate(latest).model_dump(mode="json") == latest
+        assert list(latest) == list(LatestOut.model_fields)
         detail = (await agent.http.get(f"/v1/runs/{RUN}/checkpoints/200")).json()
         for key, value in detail.items():
             if key not in ("jobs", "replicas"):
                 assert latest[key] == value, key
+        assert latest["metrics"] == {"loss": 200 / 64, "tokens": 1e12 + 200}
+        assert latest["metadata"]["note"] == "é ünïcode"
+        # The pending replica's lag grows between the two answers.
+        without_lag = [{**r, "lag_seconds": None} for r in latest["replicas"]]
+        assert without_lag == [{**r, "lag_seconds": None} for r in detail["replicas"]]
+        assert latest["replicas"][1]["lag_seconds"] > 0
         assert [r["region"] for r in latest["replicas"]] == ["east", "west"]
         assert [(s["rank"], s["node"]) for s in latest["shards"]] == [(0, "node-0"), (1, "node-1")]
         assert [(f["rank"], f["path"]) for f in latest["files"]] == [
@@ -187,6 +203,11 @@ async def test_latest_queries_use_indexes_not_scans(tmp_path: Path) -> None:
         assert "SCAN checkpoints" not in plan, (name, plan)
         assert "SCAN replicas" not in plan, (name, plan)
         assert "SCAN files" not in plan, (name, plan)
-    # Highest step first straight from the (run_id, step) index: no sort of the run.
-    assert "TEMP B-TREE" not in plans["latest"], plans["latest"]
+    # Highest step first straight from the (run_id, step) index: no sort of
+    # the run. The one sort allowed comes after the walk: the answer's few
+    # replica rows, by id.
+    walk = plans["latest"].split("SCAN latest")[0]
+    assert "CO-ROUTINE latest" in walk and "TEMP B-TREE" not in walk, plans["latest"]
     assert "ix_checkpoints_parent" in plans["children"], plans["children"]
+    # latest reads the children in the same statement, through the same index.
+    assert "ix_checkpoints_parent" in plans["latest"], plans["latest"]

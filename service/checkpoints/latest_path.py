@@ -1,0 +1,128 @@
+"""`GET /v1/runs/{run}/latest` answered below FastAPI's routing.
+
+`latest` is the question every restart and every orchestrator poll asks, and
+profiles of the agent answering it at 100,000 checkpoints put about half of
+its CPU in the framework rather than the catalog: route matching, dependency
+solving, parameter validation and the response model, about as much as the
+whole answer. This ASGI layer sits inside the agent's own middleware (request
+id, metrics, rate limit, body limit: they all still apply) and answers the
+common case itself: a valid caller, a valid run, a known region, and a valid
+checkpoint to return. The answer is the same function's
+(latest_answer.latest_json) as the route's.
+
+Anything else (no or bad token, a forbidden run, an invalid name, an unknown
+region, no valid checkpoint, an odd query string, an unexpected error) is
+passed on untouched to the FastAPI route, which stays the one place that
+words those errors; the route also keeps `latest` in the OpenAPI document.
+The one exception is a catalog outage, answered here with the same 503 the
+route's handler gives: asking the route would wait for the catalog twice.
+So this layer can only make an answer faster, never give a different one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+from urllib.parse import parse_qsl
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..auth import Action, authenticate, authorize
+from ..deps import RUN_NAME
+from ..errors import ApiError, catalog_unavailable, is_catalog_outage
+from ..resources import Resources
+from .latest_answer import latest_json
+
+log = logging.getLogger("tierckpt.api")
+
+# Starlette's path converter: one segment, already percent-decoded.
+PATH = re.compile(r"^/v1/runs/([^/]+)/latest$")
+QUERY_KEYS = frozenset({"region", "node"})
+# At most this long: a longer query string is not one a client of ours sends.
+MAX_QUERY_BYTES = 512
+
+
+class _Route:
+    """What the request-metrics middleware reads from scope["route"]."""
+
+    path = "/v1/runs/{run}/latest"
+
+
+ROUTE = _Route()
+
+
+def _query(raw: bytes) -> dict[str, str] | None:
+    """region= and node=, each at most once; None for anything else."""
+    if not raw:
+        return {}
+    if len(raw) > MAX_QUERY_BYTES:
+        return None
+    try:
+        pairs = parse_qsl(raw.decode("ascii"), keep_blank_values=True, strict_parsing=True)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    params = dict(pairs)
+    if len(params) != len(pairs) or not params.keys() <= QUERY_KEYS:
+        return None
+    return params
+
+
+def _authorization(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return str(value.decode("latin-1"))
+    return None
+
+
+class LatestFastPath:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = None
+        if scope["type"] == "http" and scope["method"] == "GET":
+            match = PATH.match(scope["path"])
+            if match is not None:
+                try:
+                    body = await self._answer(scope, match.group(1))
+                except Exception as exc:
+                    if not is_catalog_outage(exc):
+                        raise
+                    log.warning("catalog unavailable: %s", exc)
+                    scope["route"] = ROUTE
+                    await catalog_unavailable()(scope, receive, send)
+                    return
+        if body is None:
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = ROUTE
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def _answer(self, scope: Scope, run: str) -> bytes | None:
+        """The answer's bytes, or None: the route answers (and words any error)."""
+        params = _query(scope["query_string"])
+        if params is None or not RUN_NAME.match(run):
+            return None
+        app: Any = scope["app"]
+        resources: Resources = app.state.resources
+        try:
+            principal = authenticate(_authorization(scope), resources.settings.tokens)
+            authorize(principal, Action.READ, run)
+            return await latest_json(resources, run, params.get("region"), params.get("node"))
+        except ApiError:
+            return None
+        except Exception as exc:
+            if is_catalog_outage(exc):
+                raise
+            return None  # unexpected: the route logs it and words the 500
