@@ -22,6 +22,7 @@ measured 2.6 s/GB for the whole restore instead of 5.3.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import hashlib
 import os
@@ -29,6 +30,7 @@ import re
 import select
 import socket
 import ssl
+import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,6 +221,44 @@ def _pwrite_all(fd: int, data: Buffer, offset: int) -> None:
         written = os.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
+
+
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (Linux), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> bool:
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` to disk
+    now, without waiting and without dropping them from the page cache.
+
+    A restore ends with an fsync of every file. Left alone, the kernel starts
+    writing dirty pages only after ~30 s or once 10 % of memory is dirty, so
+    a 1 GB restore wrote nothing until that fsync and then waited for the
+    whole gigabyte (~3.5 s on this disk) after the last byte had arrived.
+    Started per range, the writes overlap the download and the fsync finds
+    little left. Only a hint: the fsync is still what makes the file durable,
+    so a failure here is ignored (False)."""
+    if _SYNC_FILE_RANGE is None or length <= 0:
+        return False
+    return _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE) == 0
+
+
+def _write_range(fd: int, data: Buffer, offset: int) -> None:
+    _pwrite_all(fd, data, offset)
+    start_writeback(fd, offset, len(data))
 
 
 def _open_target(target: Path) -> int:
@@ -443,7 +483,7 @@ async def fetch_files(
             async with network:
                 await _get_range_retrying(http, sink.job, start, end, options, buffer)
             data = memoryview(buffer)[: end - start]
-            await in_thread(_pwrite_all, sink.fd, data, start)
+            await in_thread(_write_range, sink.fd, data, start)
             if on_bytes is not None:
                 on_bytes(end - start)
 

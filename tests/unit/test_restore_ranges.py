@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import http.server
+import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -292,3 +294,18 @@ def test_download_transport_reads_big_chunks():
     if pool is not None:  # the httpx this was written for
         assert pool._max_connections == 12
         assert isinstance(pool._network_backend, download._BigReadBackend)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_writeback_is_started_per_range_and_is_only_a_hint(tmp_path: Path) -> None:
+    target = tmp_path / "f.bin"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT)
+    try:
+        download._write_range(fd, b"x" * 3 * RANGE, RANGE)
+        assert download.start_writeback(fd, 0, 4 * RANGE) is True
+    finally:
+        os.close(fd)
+    assert target.read_bytes() == bytes(RANGE) + b"x" * 3 * RANGE
+    # A closed descriptor: the call fails, nothing is raised (fsync decides).
+    assert download.start_writeback(fd, 0, RANGE) is False
+    assert download.start_writeback(fd, 0, 0) is False
