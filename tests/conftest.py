@@ -28,9 +28,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from tests.support import postgres as pg
 from tests.support.seaweed import SeaweedServer, boto3_client
+from tests.support.tcpproxy import TcpProxy
 
 
 @pytest.fixture(scope="session")
@@ -123,3 +125,18 @@ def catalog_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     url: str = request.getfixturevalue("_catalog_database")
     pg.reset_database(url)
     return url
+
+
+@pytest.fixture
+def proxied_catalog(postgres_admin_url: str) -> Iterator[tuple[str, TcpProxy]]:
+    """A fresh PostgreSQL catalog reached only through a TcpProxy: closing
+    the proxy is a catalog outage (test_catalog_outage, test_register_batching)."""
+    direct = pg.create_temp_database(postgres_admin_url, prefix="tierckpt_outage_")
+    url = make_url(direct)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
+    try:
+        through = url.set(host="127.0.0.1", port=proxy.port)
+        yield through.render_as_string(hide_password=False), proxy
+    finally:
+        proxy.close()
+        pg.drop_database(direct, postgres_admin_url)

@@ -11,32 +11,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy.engine import make_url
 
-from tests.support import postgres as pg
 from tests.support.agent import Agent, running_agent, write_checkpoint
 from tests.support.tcpproxy import TcpProxy
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-def proxied_catalog(postgres_admin_url: str) -> Iterator[tuple[str, TcpProxy]]:
-    """A fresh catalog database, reached only through a TcpProxy."""
-    direct = pg.create_temp_database(postgres_admin_url, prefix="tierckpt_outage_")
-    url = make_url(direct)
-    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
-    try:
-        through = url.set(host="127.0.0.1", port=proxy.port)
-        yield through.render_as_string(hide_password=False), proxy
-    finally:
-        proxy.close()
-        pg.drop_database(direct, postgres_admin_url)
 
 
 def assert_catalog_503(answer: httpx.Response) -> None:

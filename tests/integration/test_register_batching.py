@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import func, select
-from sqlalchemy.engine import make_url
 
-from tests.support import postgres as pg
 from tests.support.agent import Agent, running_agent, write_checkpoint
 from tests.support.tcpproxy import TcpProxy
 from tierckpt.service.checkpoints.batching import Outcome, batcher_for
@@ -244,20 +241,6 @@ async def test_bad_input_never_reaches_the_batch(
         )
         assert [a.status_code for a in answers] == [202, 400, 400, 400]
         assert await count(agent, Checkpoint) == 1
-
-
-@pytest.fixture
-def proxied_catalog(postgres_admin_url: str) -> Iterator[tuple[str, TcpProxy]]:
-    """A fresh PostgreSQL catalog reached only through a TcpProxy (cut = outage)."""
-    direct = pg.create_temp_database(postgres_admin_url, prefix="tierckpt_batch_outage_")
-    url = make_url(direct)
-    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
-    try:
-        through = url.set(host="127.0.0.1", port=proxy.port)
-        yield through.render_as_string(hide_password=False), proxy
-    finally:
-        proxy.close()
-        pg.drop_database(direct, postgres_admin_url)
 
 
 @pytest.mark.postgres
