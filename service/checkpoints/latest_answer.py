@@ -4,10 +4,10 @@
 two statements in one hop to a database thread on SQLite (or one greenlet
 run on PostgreSQL), and its answer is written here as a plain dict and
 serialized once, without building the response models (about a tenth of its
-CPU). The shape is the documented
-`LatestOut` (schemas.py), field for field and in its order; the tests hold
-the two together (each answer validates as a LatestOut that serializes back
-to the same JSON, and equals the checkpoint's detail view).
+CPU). The shape is the documented `LatestOut` (schemas.py), field for field
+and in its order; the tests hold the two together (each answer validates as a
+LatestOut that serializes back to the same JSON, and equals the checkpoint's
+detail view).
 """
 
 from __future__ import annotations

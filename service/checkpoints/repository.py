@@ -95,14 +95,6 @@ async def latest_valid(
     )
 
 
-def latest_of_run_statement(run: str, min_regions: int, region: str | None) -> Executable:
-    """``latest_valid`` by run name, in one query (no separate run lookup):
-    the statement `latest` runs, with its parameters bound."""
-    return LATEST_STATEMENTS[region is not None].params(
-        run=run, min_regions=min_regions, region=region
-    )
-
-
 def _latest_valid_statement(
     of_run: ColumnElement[bool],
     min_regions: int | ColumnElement[int],
@@ -269,7 +261,7 @@ def latest_rows(
     """The latest valid checkpoint of ``run`` and its shards, files, replicas
     and children: two queries on the session's connection, written against a
     plain (sync) Session so the whole read can run in one hop to a database
-    thread (see CheckpointService.latest) instead of several hops per query."""
+    thread (see latest_answer.latest_json) instead of several hops per query."""
     connection = session.connection()
     rows = connection.execute(
         LATEST_STATEMENTS[region is not None],
@@ -299,10 +291,6 @@ def latest_rows(
     return LatestRows(
         checkpoint, list(shards.values()), files, replicas, _children(checkpoint.children)
     )
-
-
-def shards_with_files_statement(checkpoint_id: int) -> Executable:
-    return SHARDS_WITH_FILES.params(checkpoint_id=checkpoint_id)
 
 
 def children_statement(run: str, step: int) -> Executable:

@@ -193,10 +193,12 @@ async def test_latest_queries_use_indexes_not_scans(tmp_path: Path) -> None:
     plans = {
         name: _plan(database, statement)
         for name, statement in {
-            "latest": repo.latest_of_run_statement(RUN, 1, None),
-            "latest_region": repo.latest_of_run_statement(RUN, 1, "west"),
+            "latest": repo.LATEST_STATEMENTS[False].params(run=RUN, min_regions=1),
+            "latest_region": repo.LATEST_STATEMENTS[True].params(
+                run=RUN, min_regions=1, region="west"
+            ),
             "children": repo.children_statement(RUN, 200),
-            "shards_with_files": repo.shards_with_files_statement(1),
+            "shards_with_files": repo.SHARDS_WITH_FILES.params(checkpoint_id=1),
         }.items()
     }
     for name, plan in plans.items():
