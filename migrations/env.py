@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from alembic import context
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from tierckpt.service.db import create_engine
@@ -12,6 +13,9 @@ from tierckpt.service.models import Base
 
 config = context.config
 target_metadata = Base.metadata
+# Any constant shared by every tierckpt agent: the PostgreSQL advisory lock
+# that serializes their migrations ("tierckpt" in ASCII).
+MIGRATION_LOCK = 0x74696572636B7074
 
 
 def _configure(connection: Connection) -> None:
@@ -21,8 +25,19 @@ def _configure(connection: Connection) -> None:
         # SQLite cannot ALTER most things in place; batch mode copies the table.
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
+        # SQLite runs DDL in transactions too; as one transaction (opened with
+        # BEGIN IMMEDIATE, see db._sqlite_transactions) a migration is all or
+        # nothing, and agents starting together on one catalog file take turns.
+        transactional_ddl=True,
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Agents sharing a catalog start together (a deploy, a cluster
+            # restart): without this, each reads "not migrated yet" and all
+            # but one fail on tables the first one created. The lock is held
+            # to the end of the migration's transaction; the next agent then
+            # reads the new version and has nothing to do.
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         context.run_migrations()
 
 
