@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,17 @@ class BenchContext:
         )
         self._agents.append(agent)
         return agent
+
+    def start_agents(self, specs: dict[str, dict[str, Any]]) -> dict[str, Agent]:
+        """Several agents at once (``{name: start_agent keyword arguments}``):
+        each start is mostly a Python interpreter importing the service, and
+        they overlap on the two cores. Agents may share a catalog: their
+        migrations take turns (migrations/env.py)."""
+        with ThreadPoolExecutor(max_workers=len(specs) or 1) as pool:
+            futures = {
+                name: pool.submit(self.start_agent, name, **kw) for name, kw in specs.items()
+            }
+            return {name: future.result() for name, future in futures.items()}
 
     def stop_agent(self, agent: Agent) -> None:
         stop_agent(agent)

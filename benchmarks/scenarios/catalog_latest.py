@@ -469,7 +469,9 @@ def _check_answers(url: str, rows: Rows) -> int:
     return wrong
 
 
-def _query_times(catalog_url: str, run: str, count: int) -> dict[str, list[float]]:
+def _query_times(
+    catalog_url: str, run: str, count: int, warmup: int = WARMUP
+) -> dict[str, list[float]]:
     """In-process: the catalog read `latest` runs (repository.latest_rows,
     both statements), through the service's own read engines (the
     plain-sqlite readers on SQLite, the autocommit pool on PostgreSQL),
@@ -486,14 +488,14 @@ def _query_times(catalog_url: str, run: str, count: int) -> dict[str, list[float
         try:
             for region, times in (("any", out["any"]), ("west", out["west"])):
                 where = None if region == "any" else region
-                for n in range(WARMUP + count):
+                for n in range(warmup + count):
                     began = time.perf_counter()
                     if readers is not None:
                         found = _in_sync_session(readers, repo.latest_rows, run, 1, where)
                     else:
                         async with sessions() as session:
                             found = await session.run_sync(repo.latest_rows, run, 1, where)
-                    if n >= WARMUP:
+                    if n >= warmup:
                         times.append(time.perf_counter() - began)
                     assert found is not None
         finally:
@@ -574,18 +576,20 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         rows.tables.clear()
         gc.collect()
         gc.freeze()
-        agents = {
-            db: ctx.start_agent(
-                f"latest-{db}",
-                worker=False,
-                catalog={"url": url},
-                regions=_regions(ctx),
-                # One client asking as fast as it can exceeds the default
-                # per-caller limit (200/s): the limiter would answer 429.
-                server={"rate_limit_per_second": 1_000_000, "rate_limit_burst": 1_000_000},
-            )
-            for db, url in catalogs.items()
-        }
+        started = ctx.start_agents(
+            {
+                f"latest-{db}": {
+                    "worker": False,
+                    "catalog": {"url": url},
+                    "regions": _regions(ctx),
+                    # One client asking as fast as it can exceeds the default
+                    # per-caller limit (200/s): the limiter would answer 429.
+                    "server": {"rate_limit_per_second": 1_000_000, "rate_limit_burst": 1_000_000},
+                }
+                for db, url in catalogs.items()
+            }
+        )
+        agents = {db: started[f"latest-{db}"] for db in catalogs}
         for agent in agents.values():
             wrong += _check_answers(agent.url, rows)
         paths = {
@@ -609,7 +613,9 @@ def run(ctx: BenchContext) -> dict[str, Any]:
                         f"agent CPU {figures['cpu']:.2f} ms/request"
                     )
         for db, url in catalogs.items():
-            times = _query_times(url, BIG_RUN, min(per_rep, 300))
+            times = _query_times(
+                url, BIG_RUN, min(per_rep, 300), QUICK_WARMUP if ctx.quick else WARMUP
+            )
             for variant, values in times.items():
                 label = "latest_rows" if variant == "any" else "latest_rows region=west"
                 figures = _ms(values)

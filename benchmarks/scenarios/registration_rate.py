@@ -117,24 +117,24 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     p99s: dict[str, list[float]] = {key: [] for key in setups}
     failures = 0
     try:
+        started = ctx.start_agents(
+            {
+                "rate-sqlite": {"worker": False, "server": {**server, "node": "rate-s"}},
+                "rate-pg1": {"worker": False, "catalog": {"url": single_db}, "server": server},
+                **{
+                    f"rate-{n}": {
+                        "worker": False,
+                        "catalog": {"url": shared_db},
+                        "server": {**server, "node": f"rate-node-{n}"},
+                    }
+                    for n in range(2)
+                },
+            }
+        )
         agents = {
-            "sqlite": [
-                ctx.start_agent("rate-sqlite", worker=False, server={**server, "node": "rate-s"})
-            ],
-            "pg1": [
-                ctx.start_agent(
-                    "rate-pg1", worker=False, catalog={"url": single_db}, server={**server}
-                )
-            ],
-            "pg2": [
-                ctx.start_agent(
-                    f"rate-{n}",
-                    worker=False,
-                    catalog={"url": shared_db},
-                    server={**server, "node": f"rate-node-{n}"},
-                )
-                for n in range(2)
-            ],
+            "sqlite": [started["rate-sqlite"]],
+            "pg1": [started["rate-pg1"]],
+            "pg2": [started["rate-0"], started["rate-1"]],
         }
         reps = max(2, min(ctx.reps, 3))
         for rep in range(reps):
