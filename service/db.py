@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 from sqlalchemy import Engine, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -103,16 +105,63 @@ def create_read_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSes
     every statement reads its own snapshot anyway, so a read gains nothing
     from a transaction, which cost two of a `latest` answer's nine round
     trips, plus two more in the pool's pre-ping (asyncpg pings inside a
-    transaction of its own unless the connection is in autocommit). Dispose
-    of it with ``dispose_read_engine``."""
+    transaction of its own unless the connection is in autocommit); it pings
+    only connections that sat idle (``_ping_when_idle``). Dispose of it with
+    ``dispose_read_engine``."""
     if engine.dialect.name == "sqlite":
         return async_sessionmaker(
             engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False
         )
     readers = create_async_engine(
-        engine.url, isolation_level="AUTOCOMMIT", pool_pre_ping=True, pool_size=4, max_overflow=4
+        engine.url, isolation_level="AUTOCOMMIT", pool_size=4, max_overflow=4
     )
+    _ping_when_idle(readers, READ_PING_AFTER_IDLE)
     return async_sessionmaker(readers, expire_on_commit=False)
+
+
+# A pooled read connection used less than this long ago is handed out without
+# a ping (see _ping_when_idle).
+READ_PING_AFTER_IDLE = 1.0
+
+
+def _ping_when_idle(engine: AsyncEngine, idle_seconds: float) -> None:
+    """Pessimistic disconnect handling at a fraction of pool_pre_ping's cost.
+
+    pool_pre_ping spends a round trip on every checkout: a third of a
+    `latest` answer's on PostgreSQL. Here a connection is pinged only when it
+    sat idle longer than ``idle_seconds`` (time enough for a network device
+    to have dropped it silently); one that asyncpg already knows is closed
+    (the server restarted or was cut off) is replaced without asking. What is
+    left, a connection that died in the last second without its socket
+    saying so, fails its statement, and that invalidates the whole pool
+    (SQLAlchemy's disconnect handling): the caller's one retry gets a fresh
+    connection (latest_answer.latest_json)."""
+
+    @event.listens_for(engine.sync_engine, "checkin")
+    def _checked_in(_dbapi_connection: Any, record: Any) -> None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine.sync_engine, "checkout")
+    def _checked_out(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        idle_since = record.info.pop(_IDLE_SINCE, None)
+        if idle_since is None:  # just connected
+            return
+        if known_closed(dbapi_connection):
+            raise DisconnectionError("the catalog closed this connection")
+        if time.monotonic() - idle_since > idle_seconds:
+            try:
+                engine.dialect.do_ping(dbapi_connection)
+            except Exception as exc:
+                raise DisconnectionError(f"ping failed: {exc}") from exc
+
+
+_IDLE_SINCE = "tierckpt_idle_since"
+
+
+def known_closed(dbapi_connection: Any) -> bool:
+    """The driver already saw this connection end (asyncpg: its socket closed)."""
+    driver = getattr(dbapi_connection, "driver_connection", None)
+    return driver is not None and bool(driver.is_closed())
 
 
 async def dispose_read_engine(

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import BadInput, NotFound
@@ -128,9 +130,9 @@ async def latest_json(
             _in_sync_session, readers, repo.latest_rows, run, min_regions, region
         )
     else:
-        maker = resources.read_sessionmaker or resources.sessionmaker
-        async with maker() as session:
-            rows = await session.run_sync(repo.latest_rows, run, min_regions, region)
+        rows = await _read_with_retry(
+            resources.read_sessionmaker or resources.sessionmaker, run, min_regions, region
+        )
     if rows is None:
         where = f" in region {region}" if region else ""
         raise NotFound(
@@ -138,6 +140,22 @@ async def latest_json(
         )
     local = await _local_copy(resources, rows, node)
     return to_json(latest_document(run, rows, list(resources.stores), local))
+
+
+async def _read_with_retry(
+    maker: async_sessionmaker[AsyncSession], run: str, min_regions: int, region: str | None
+) -> LatestRows | None:
+    """PostgreSQL: the read, once more on a connection that turned out dead
+    (db._ping_when_idle hands out recently used ones without a ping; the
+    failure invalidated the pool, so the second try gets a fresh one)."""
+    for attempt in (1, 2):
+        try:
+            async with maker() as session:
+                return await session.run_sync(repo.latest_rows, run, min_regions, region)
+        except DBAPIError as exc:
+            if attempt == 2 or not exc.connection_invalidated:
+                raise
+    raise AssertionError("unreachable")
 
 
 async def _local_copy(

@@ -5,9 +5,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, Executable, Select, String, bindparam, cast, func, select
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    Executable,
+    Select,
+    String,
+    bindparam,
+    cast,
+    func,
+    select,
+    true,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, aliased
@@ -143,10 +154,10 @@ def _latest_valid_statement(
 # Built once, with bound parameters, selecting columns rather than entities:
 # profiled at 100,000 checkpoints, building the statements on every call (and
 # their cache keys) and loading ORM entities cost as much CPU as everything
-# else in a `latest` answer. Two statements, not four: on PostgreSQL every
-# statement is a round trip and a wake-up of the server, and those were most
-# of the latency. Rows come back as named tuples whose attributes are the
-# ORM's names (checkpoint metadata is labelled `meta`).
+# else in a `latest` answer. One statement on PostgreSQL, two on SQLite, not
+# four: on PostgreSQL every statement is a round trip and a wake-up of the
+# server, and those were most of the latency. Rows come back as named tuples
+# whose attributes are the ORM's names (checkpoint metadata is labelled `meta`).
 _CHECKPOINT_COLUMNS = [
     column.label("meta") if column.key == "metadata" else column
     for column in Checkpoint.__table__.c
@@ -157,9 +168,50 @@ _RUN_ID = select(Run.id).where(Run.name == bindparam("run")).scalar_subquery()
 CHILD_SEPARATOR, CHILD_STEP_SEPARATOR = ",", ":"
 
 
-def _latest_with_replicas(with_region: bool) -> Select[Any]:
+# A shard with one of its files (file columns null for a shard without any).
+_SHARD_FILE_COLUMNS = (
+    Shard.id,
+    Shard.rank,
+    Shard.node,
+    Shard.path,
+    Shard.state,
+    Shard.error,
+    File.path.label("file_path"),
+    File.size.label("file_size"),
+    File.mtime_ns.label("file_mtime_ns"),
+    File.sha256.label("file_sha256"),
+)
+
+
+class ShardFileRow(NamedTuple):
+    """One element of the PostgreSQL statement's `contents` column, by the
+    same names as the rows of SHARDS_WITH_FILES (the SQLite path)."""
+
+    id: int
+    rank: int
+    node: str | None
+    path: str
+    state: str
+    error: str | None
+    file_path: str | None
+    file_size: int | None
+    file_mtime_ns: int | None
+    file_sha256: str | None
+
+
+def _latest_statement(with_region: bool, with_contents: bool = False) -> Select[Any]:
     """The latest valid checkpoint (one row per replica, or one with null
-    replica columns) and its children as one "name:step,..." string."""
+    replica columns) and its children as one "name:step,..." string.
+
+    ``with_contents`` (PostgreSQL only): plus a `contents` column, the shards
+    and their files as one JSON array of ShardFileRow-shaped arrays (by rank,
+    then path), aggregated once per answer in a lateral subquery. One
+    statement instead of two: measured in process at 100,000 checkpoints,
+    p50 2.5 -> 1.9 ms and the agent's CPU 1.6 -> 1.0 ms per read, since every
+    statement through asyncpg is a round trip, a wake-up of the server and
+    ~0.3 ms of driver and SQLAlchemy work. SQLite keeps two statements: it
+    runs in process (no round trip), and its aggregates take no ORDER BY
+    before 3.44."""
     latest = _latest_valid_statement(
         Checkpoint.run_id == _RUN_ID,
         bindparam("min_regions"),
@@ -178,33 +230,44 @@ def _latest_with_replicas(with_region: bool) -> Select[Any]:
         .where(child.parent_run == bindparam("run"), child.parent_step == latest.c.step)
         .scalar_subquery()
     )
-    return (
-        select(
-            latest,
-            children.label("children"),
-            *(column.label(f"replica_{column.key}") for column in Replica.__table__.c),
+    columns: list[Any] = [
+        latest,
+        children.label("children"),
+        *(column.label(f"replica_{column.key}") for column in Replica.__table__.c),
+    ]
+    source: Any = latest
+    if with_contents:
+        contents = (
+            select(
+                func.json_agg(
+                    postgresql.aggregate_order_by(
+                        func.json_build_array(*_SHARD_FILE_COLUMNS), Shard.rank, File.path
+                    ),
+                    type_=JSON,
+                ).label("contents")
+            )
+            .select_from(Shard)
+            .outerjoin(File, File.shard_id == Shard.id)
+            .where(Shard.checkpoint_id == latest.c.id)
+            .lateral("contents")
         )
-        .outerjoin(Replica, Replica.checkpoint_id == latest.c.id)
+        columns.append(contents.c.contents)
+        source = latest.join(contents, true())
+    return (
+        select(*columns)
+        .select_from(source.outerjoin(Replica, Replica.checkpoint_id == latest.c.id))
         .order_by(Replica.id)
     )
 
 
 LATEST_STATEMENTS: dict[bool, Select[Any]] = {
-    with_region: _latest_with_replicas(with_region) for with_region in (False, True)
+    with_region: _latest_statement(with_region) for with_region in (False, True)
+}
+LATEST_WITH_CONTENTS: dict[bool, Select[Any]] = {
+    with_region: _latest_statement(with_region, with_contents=True) for with_region in (False, True)
 }
 SHARDS_WITH_FILES = (
-    select(
-        Shard.id,
-        Shard.rank,
-        Shard.node,
-        Shard.path,
-        Shard.state,
-        Shard.error,
-        File.path.label("file_path"),
-        File.size.label("file_size"),
-        File.mtime_ns.label("file_mtime_ns"),
-        File.sha256.label("file_sha256"),
-    )
+    select(*_SHARD_FILE_COLUMNS)
     .outerjoin(File, File.shard_id == Shard.id)
     .where(Shard.checkpoint_id == bindparam("checkpoint_id"))
     .order_by(Shard.rank, File.path)
@@ -259,12 +322,15 @@ def latest_rows(
     session: Session, run: str, min_regions: int, region: str | None
 ) -> LatestRows | None:
     """The latest valid checkpoint of ``run`` and its shards, files, replicas
-    and children: two queries on the session's connection, written against a
-    plain (sync) Session so the whole read can run in one hop to a database
-    thread (see latest_answer.latest_json) instead of several hops per query."""
+    and children: one statement on PostgreSQL, two on SQLite (see
+    _latest_statement), written against a plain (sync) Session so the
+    whole read can run in one hop to a database thread (see
+    latest_answer.latest_json) instead of several hops per query."""
     connection = session.connection()
+    one_statement = connection.dialect.name == "postgresql"
+    statements = LATEST_WITH_CONTENTS if one_statement else LATEST_STATEMENTS
     rows = connection.execute(
-        LATEST_STATEMENTS[region is not None],
+        statements[region is not None],
         {"run": run, "min_regions": min_regions, "region": region},
     ).all()
     if not rows:
@@ -282,9 +348,15 @@ def latest_rows(
         for r in rows
         if r.replica_id is not None
     ]
+    contents: Sequence[CatalogRow]
+    if one_statement:
+        # `or ()`: json_agg over no rows is null (a checkpoint has shards, though).
+        contents = [ShardFileRow(*item) for item in checkpoint.contents or ()]
+    else:
+        contents = connection.execute(SHARDS_WITH_FILES, {"checkpoint_id": checkpoint.id}).all()
     shards: dict[int, CatalogRow] = {}
     files: list[CatalogRow] = []
-    for row in connection.execute(SHARDS_WITH_FILES, {"checkpoint_id": checkpoint.id}):
+    for row in contents:
         shards.setdefault(row.id, row)
         if row.file_path is not None:
             files.append(row)

@@ -5,15 +5,21 @@ view, and the queries behind it use indexes (issue 6: 100,000 checkpoints)."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import asyncpg
+import pytest
 from sqlalchemy import insert
 from sqlalchemy.dialects import sqlite
+from sqlalchemy.engine import make_url
 
+from tests.support import postgres as pg
 from tests.support.agent import posix_region, running_agent, write_checkpoint
+from tierckpt.service import db
 from tierckpt.service.checkpoints import repository as repo
 from tierckpt.service.checkpoints.schemas import LatestOut
 from tierckpt.service.models import Checkpoint, File, Replica, Run, Shard, utcnow
@@ -213,3 +219,46 @@ async def test_latest_queries_use_indexes_not_scans(tmp_path: Path) -> None:
     assert "ix_checkpoints_parent" in plans["children"], plans["children"]
     # latest reads the children in the same statement, through the same index.
     assert "ix_checkpoints_parent" in plans["latest"], plans["latest"]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("catalog_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("socket_noticed", [True, False], ids=["closed-socket", "silent-death"])
+async def test_latest_survives_its_read_connections_being_killed(
+    postgres_admin_url: str,
+    catalog_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    socket_noticed: bool,
+) -> None:
+    """The read pool pings only connections idle for a while (db._ping_when_idle).
+    A recently used one the server has since killed is either known closed
+    (the usual case: the socket said so) and replaced at checkout, or, when
+    nothing noticed yet, fails its statement, and the read is tried once
+    more on a fresh connection. Either way the caller gets its answer, not a
+    503, right after the catalog dropped every connection (a restart, a
+    failover, pg_terminate_backend)."""
+    regions = [posix_region("east", tmp_path / "east"), posix_region("west", tmp_path / "west")]
+    async with running_agent(catalog_url, tmp_path, regions, start_worker=False) as agent:
+        await _seed(agent, tmp_path / "ssd")
+        for _ in range(3):  # a warm pool, every connection just used
+            assert (await agent.http.get(f"/v1/runs/{RUN}/latest")).status_code == 200
+        if not socket_noticed:
+            # Nothing noticed at checkout: the statement itself hits the end.
+            monkeypatch.setattr(db, "known_closed", lambda _connection: False)
+        database = make_url(catalog_url).database
+        admin = await asyncpg.connect(pg.asyncpg_dsn(postgres_admin_url))
+        try:
+            killed = await admin.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = $1 AND pid <> pg_backend_pid()",
+                database,
+            )
+        finally:
+            await admin.close()
+        assert killed >= 1
+        await asyncio.sleep(0.2)  # the sockets' end reaches the event loop
+
+        answer = await agent.http.get(f"/v1/runs/{RUN}/latest")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["step"] == 200
