@@ -10,6 +10,7 @@ delays the job.
 from __future__ import annotations
 
 import asyncio
+import posixpath
 
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -94,6 +95,9 @@ class DeleteJobs:
     @staticmethod
     async def _delete_in(store: ObjectStore, manifest_key: str, keys: list[str]) -> None:
         await store.delete(manifest_key)  # the commit marker first
+        # Uploads still open under the checkpoint (an upload killed mid-way,
+        # or one running now) would otherwise outlive it, unseen and billed.
+        await store.abort_incomplete(posixpath.dirname(manifest_key) + "/")
         semaphore = asyncio.Semaphore(16)
 
         async def one(key: str) -> None:

@@ -72,6 +72,12 @@ class ObjectStore(ABC):
     async def abort_multipart(self, upload: MultipartUpload) -> None: ...
 
     @abstractmethod
+    async def abort_incomplete(self, prefix: str) -> int:
+        """Abort every multipart upload still open under ``prefix`` (``prefix``
+        ends with '/'), and return how many: what an agent killed mid-upload
+        left behind, which no one would otherwise ever complete or remove."""
+
+    @abstractmethod
     async def get_range(self, key: str, start: int, length: int) -> bytes: ...
 
     @abstractmethod

@@ -16,8 +16,12 @@ def step_prefix(run: str, step: int) -> str:
     return f"{run}/step-{step:012d}/"
 
 
+def shard_prefix(run: str, step: int, rank: int) -> str:
+    return f"{step_prefix(run, step)}rank-{rank:05d}/"
+
+
 def object_key(run: str, step: int, rank: int, relative_path: str) -> str:
-    return f"{step_prefix(run, step)}rank-{rank:05d}/{relative_path}"
+    return f"{shard_prefix(run, step, rank)}{relative_path}"
 
 
 def manifest_key(run: str, step: int) -> str:

@@ -134,6 +134,24 @@ class PosixStore(ObjectStore):
         tmp = self._path(upload.key).with_name(upload.upload_id)
         await asyncio.to_thread(tmp.unlink, missing_ok=True)
 
+    async def abort_incomplete(self, prefix: str) -> int:
+        # An open upload here is a temporary file next to its object's path.
+        top = self._path(prefix.rstrip("/"))
+
+        def _remove() -> int:
+            removed = 0
+            for dirpath, _dirs, files in os.walk(top):
+                for name in files:
+                    if name.startswith(_TMP_MARK):
+                        (Path(dirpath) / name).unlink(missing_ok=True)
+                        removed += 1
+            return removed
+
+        try:
+            return await asyncio.to_thread(_remove)
+        except OSError as exc:
+            raise StoreError(f"{self.region}: clearing {prefix} failed: {exc}") from exc
+
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         path = self._path(key)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Any
@@ -223,6 +224,22 @@ class S3Store(ObjectStore):
             )
         except StoreError:
             pass  # best effort; the bucket's lifecycle rule reaps leftovers
+
+    async def abort_incomplete(self, prefix: str) -> int:
+        client = await self._s3()
+        paginator = client.get_paginator("list_multipart_uploads")
+        aborted = 0
+        try:
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=self.full_key(prefix)):
+                for upload in page.get("Uploads", []):
+                    with contextlib.suppress(ObjectNotFound):  # it ended meanwhile
+                        await self._call(
+                            "abort_multipart_upload", Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                        aborted += 1
+        except (ClientError, BotoCoreError, OSError) as exc:
+            raise StoreError(f"{self.region}: listing uploads in {prefix} failed: {exc}") from exc
+        return aborted
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 from sqlalchemy import func, select, update
@@ -38,6 +39,8 @@ from .dedup import Deduplicator
 from .manifest import manifest_digest
 from .pipeline import UploadedFile, UploadLimits, upload_file
 from .source import SourceChanged, SourceFile
+
+log = logging.getLogger("tierckpt.upload")
 
 
 async def locked(session: AsyncSession, checkpoint_id: int) -> Checkpoint:
@@ -121,6 +124,18 @@ class UploadJobs:
             )
             for f in files
         ]
+        if job.attempts > 1:
+            # An earlier attempt may have died mid-upload (kill -9, a lost
+            # lease): its open multipart uploads would stay in the region,
+            # invisible and billed, forever. This job owns the shard's prefix
+            # in this region (one upload job per shard and region).
+            aborted = await store.abort_incomplete(layout.shard_prefix(run_name, step, rank))
+            if aborted:
+                log.info(
+                    "aborted %d upload(s) left by an earlier attempt",
+                    aborted,
+                    extra={"region": job.region, "run": run_name, "step": step, "rank": rank},
+                )
         roots = self.r.settings.local.roots
         # Unchanged files are copied inside the region instead of sent; not for
         # a repair, which rewrites a damaged copy from T0 by design.

@@ -39,6 +39,12 @@ def sha256_object(s3_client: Any, bucket: str, key: str) -> str:
     return digest.hexdigest()
 
 
+def open_uploads(s3_client: Any, bucket: str) -> list[str]:
+    """Keys with a multipart upload still open under the test's prefix."""
+    answer = s3_client.list_multipart_uploads(Bucket=bucket, Prefix="e2e/")
+    return sorted(u["Key"] for u in answer.get("Uploads", []))
+
+
 def wait_for(url: str, predicate: Any, timeout: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
@@ -109,12 +115,18 @@ def test_kill9_mid_upload_loses_nothing(
 
         detail_url = f"{agent.url}/v1/runs/gpt/checkpoints/100"
         wait_for(detail_url, lambda a: a["shards"][0]["state"] == "uploading")
+        # Kill it with a multipart upload open (the 110 MiB file, in 5 MiB parts).
+        deadline = time.monotonic() + 60
+        while not open_uploads(s3_client, s3_bucket) and time.monotonic() < deadline:
+            time.sleep(0.02)
         time.sleep(0.2)
         agent.kill()
     # Read the catalog as the kill left it: the shard was mid-upload.
     with ServeProcess(config, port, tmp_path / "serve.log", worker=False).start() as frozen:
         before = httpx.get(f"{frozen.url}/v1/runs/gpt/checkpoints/100").json()
     assert before["shards"][0]["state"] == "uploading", "the kill must land mid-upload"
+    left = open_uploads(s3_client, s3_bucket)
+    assert left == ["e2e/gpt/step-000000000100/rank-00000/model/weights.bin"], left
 
     with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
         done = wait_for(
@@ -124,6 +136,9 @@ def test_kill9_mid_upload_loses_nothing(
         assert done["state"] == "durable", done
         upload_jobs = [j for j in done["jobs"] if j["kind"] == "upload"]
         assert upload_jobs and upload_jobs[0]["attempts"] >= 2  # redone after the kill
+        # The killed attempt's upload was aborted by the retry, not left open
+        # (unseen, and billed by most stores) for ever.
+        assert open_uploads(s3_client, s3_bucket) == []
 
         for entry in done["files"]:
             local = sha256_file(ckpt / entry["path"])

@@ -6,9 +6,19 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from tests.support.agent import AgentOrNetwork, running_agent, s3_region, write_checkpoint
+import pytest
+
+from tests.support.agent import (
+    AgentOrNetwork,
+    posix_region,
+    running_agent,
+    s3_region,
+    write_checkpoint,
+)
 from tests.support.seaweed import SeaweedServer
 from tierckpt.client import AsyncCheckpointClient
+from tierckpt.service.config import RegionSettings
+from tierckpt.service.storage.factory import build_store
 
 
 def object_sha256(s3_client: Any, bucket: str, key: str) -> str:
@@ -56,3 +66,36 @@ async def test_multipart_upload_to_s3_and_presigned_restore(
             assert (
                 hashlib.sha256((dest / entry["path"]).read_bytes()).hexdigest() == entry["sha256"]
             )
+
+
+@pytest.mark.parametrize("kind", ["s3", "posix"])
+async def test_abort_incomplete_clears_only_its_prefix(
+    kind: str, tmp_path: Path, seaweed: SeaweedServer, s3_bucket: str
+) -> None:
+    """What a killed upload leaves (an open multipart upload: S3 parts, or a
+    POSIX temporary file) is found and aborted under one shard's prefix;
+    another shard's open upload and the finished objects are left alone."""
+    settings = (
+        s3_region("east", seaweed.endpoint_url, s3_bucket)
+        if kind == "s3"
+        else posix_region("east", tmp_path / "region")
+    )
+    store = build_store(RegionSettings.model_validate(settings))
+    try:
+        await store.ensure_ready()
+        mine, other = "r/step-000000000001/rank-00000/", "r/step-000000000001/rank-00001/"
+        await store.put_bytes(mine + "done.bin", b"kept")
+        left = [await store.create_multipart(mine + name) for name in ("a.bin", "deep/b.bin")]
+        await store.upload_part(left[0], 1, 0, b"x" * (5 << 20))
+        theirs = await store.create_multipart(other + "c.bin")
+
+        assert await store.abort_incomplete(mine) == 2
+        assert await store.abort_incomplete(mine) == 0
+        assert [o.key async for o in store.list("r/")] == [mine + "done.bin"]
+        # The other shard's upload is still open and completes.
+        part = await store.upload_part(theirs, 1, 0, b"theirs")
+        await store.complete_multipart(theirs, [part])
+        assert await store.get_range(other + "c.bin", 0, 6) == b"theirs"
+        assert await store.abort_incomplete("nothing/here/") == 0
+    finally:
+        await store.aclose()

@@ -76,6 +76,9 @@ class MemoryStore(ObjectStore):
     async def abort_multipart(self, upload: MultipartUpload) -> None:
         self._uploads.pop(upload.key, None)
 
+    async def abort_incomplete(self, prefix: str) -> int:
+        return 0
+
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         if key not in self.objects:
             raise ObjectNotFound(key)
