@@ -44,7 +44,7 @@ log = logging.getLogger("tierckpt")
 
 
 async def open_resources(settings: Settings, *, start_worker: bool = True) -> Resources:
-    engine = create_engine(settings.catalog.url)
+    engine = create_engine(settings.catalog.url, bounded=True)
     stores = build_stores(settings)
     for store in stores.values():
         try:

@@ -20,11 +20,34 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
+# PostgreSQL: how long opening a connection, and any one statement of the
+# service, may take before the catalog counts as unreachable (503 to the
+# caller, a pause for the worker). Without them, a partitioned network (no
+# reset, no answer) held each request for ever: asyncpg's own connect timeout
+# is 60 s and its statements have none.
+CONNECT_TIMEOUT = 5.0
+STATEMENT_TIMEOUT = 30.0
 
-def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
+
+def _bounded_connect_args() -> dict[str, Any]:
+    return {"timeout": CONNECT_TIMEOUT, "command_timeout": STATEMENT_TIMEOUT}
+
+
+def create_engine(url: str, *, bounded: bool = False, **kwargs: Any) -> AsyncEngine:
+    """The catalog engine. ``bounded``: the service's connect and statement
+    timeouts (PostgreSQL); off for migrations and a catalog rebuild, whose
+    statements may rightly run longer."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_async_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, **kwargs)
+        connect_args = _bounded_connect_args() if bounded else {"timeout": CONNECT_TIMEOUT}
+        return create_async_engine(
+            url,
+            pool_pre_ping=True,
+            pool_size=10,
+            max_overflow=20,
+            connect_args=connect_args,
+            **kwargs,
+        )
 
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +136,11 @@ def create_read_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSes
             engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False
         )
     readers = create_async_engine(
-        engine.url, isolation_level="AUTOCOMMIT", pool_size=4, max_overflow=4
+        engine.url,
+        isolation_level="AUTOCOMMIT",
+        pool_size=4,
+        max_overflow=4,
+        connect_args=_bounded_connect_args(),
     )
     _ping_when_idle(readers, READ_PING_AFTER_IDLE)
     return async_sessionmaker(readers, expire_on_commit=False)

@@ -18,6 +18,7 @@ import pytest
 
 from tests.support.agent import Agent, running_agent, write_checkpoint
 from tests.support.tcpproxy import TcpProxy
+from tierckpt.service import db
 
 pytestmark = pytest.mark.postgres
 
@@ -116,3 +117,46 @@ async def test_outage_during_a_request_is_503_not_a_lost_2xx(
         await eventually(agent, "/v1/runs", lambda a: a.status_code == 200, timeout=30)
         assert (await agent.http.get("/v1/runs")).json()["total"] == 0
         assert (await agent.register("r", 1, ckpt)).status_code == 202
+
+
+async def test_partitioned_catalog_is_503_within_the_timeouts(
+    proxied_catalog: tuple[str, TcpProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition (no reset, no answer: the proxy holds every byte) is the
+    outage a client cannot see coming. Pooled connections hang on their
+    statements and new ones on their connect: the catalog timeouts turn both
+    into a 503 (and a paused worker) instead of requests held for ever."""
+    monkeypatch.setattr(db, "CONNECT_TIMEOUT", 1.0)
+    monkeypatch.setattr(db, "STATEMENT_TIMEOUT", 2.0)
+    catalog_url, proxy = proxied_catalog
+    async with running_agent(
+        catalog_url, tmp_path, worker={"poll_interval": 0.2, "lease_seconds": 4}
+    ) as agent:
+        ckpt = write_checkpoint(agent.ssd / "s1", {"w": b"1"})
+        for _ in range(3):  # pooled, recently used connections: no ping
+            assert (await agent.http.get("/v1/runs/r/latest")).status_code == 404
+        assert agent.resources.worker is not None
+        worker_task = agent.resources.worker._main
+        assert worker_task is not None
+
+        proxy.stall()
+        try:
+            for request in (
+                agent.http.get("/v1/runs/r/latest"),
+                agent.http.get("/v1/runs"),
+                agent.register("r", 1, ckpt),
+                agent.http.get("/readyz"),
+            ):
+                began = time.monotonic()
+                answer = await asyncio.wait_for(request, 30)
+                assert_catalog_503(answer)
+                # A statement timeout (2 s), then maybe a connect timeout (1 s)
+                # and the one retry of a read, not 60 s or for ever without them.
+                assert time.monotonic() - began < 12, time.monotonic() - began
+            assert not worker_task.done(), "the worker died during the partition"
+        finally:
+            proxy.restore()  # also on failure: the agent's shutdown needs its catalog
+        await eventually(agent, "/v1/runs/r/latest", lambda a: a.status_code == 404, timeout=30)
+        assert (await agent.register("r", 1, ckpt)).status_code == 202
+        await agent.wait_state("r", 1, timeout=60)
+        assert (await agent.http.get("/v1/runs/r/latest")).json()["step"] == 1

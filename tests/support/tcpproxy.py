@@ -1,10 +1,13 @@
-"""A loopback TCP proxy with an outage switch, for fault tests.
+"""A loopback TCP proxy with outage switches, for fault tests.
 
 Put it between the agent and a server (the catalog's PostgreSQL): ``cut()``
 drops every open connection and answers each new one by closing it at once
-(the server "is gone", as far as the client can tell, without a hang), and
-``restore()`` lets connections through again. It counts what it refused, so
-a test can tell a paused client from a busy loop.
+(the server "is gone", as far as the client can tell, without a hang);
+``stall()`` is a network partition instead: nothing passes either way, open
+connections stay open and new ones are accepted, and every byte is held
+(so a client without timeouts waits for ever); ``restore()`` lets
+connections through again. It counts what it refused, so a test can tell a
+paused client from a busy loop.
 
 It runs its own event loop in a thread, so sync tests, async tests and the
 code under test (in any loop) can all use it. Loopback only.
@@ -37,6 +40,8 @@ class TcpProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
 
     # -- control (from any thread) -------------------------------------------
 
@@ -56,8 +61,13 @@ class TcpProxy:
         """Outage: drop every connection now, refuse new ones until restore()."""
         self._call(self._cut())
 
+    def stall(self) -> None:
+        """Partition: hold every byte, in both directions, until restore()."""
+        self._call(self._set_flowing(False))
+
     def restore(self) -> None:
         self._down = False
+        self._call(self._set_flowing(True))
 
     @property
     def down(self) -> bool:
@@ -83,6 +93,13 @@ class TcpProxy:
             self._server.close()
         await self._cut()
         self._down = False
+        self._flowing.set()  # held pumps and connections wake up to closed ends
+
+    async def _set_flowing(self, flowing: bool) -> None:
+        if flowing:
+            self._flowing.set()
+        else:
+            self._flowing.clear()
 
     async def _cut(self) -> None:
         self._down = True
@@ -95,6 +112,7 @@ class TcpProxy:
             self.refused += 1
             writer.transport.abort()
             return
+        await self._flowing.wait()  # a partition: accepted, then nothing
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -111,10 +129,10 @@ class TcpProxy:
                 self._open.discard(end)
                 end.transport.abort()
 
-    @staticmethod
-    async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             while data := await source.read(1 << 16):
+                await self._flowing.wait()  # held while stalled
                 sink.write(data)
                 await sink.drain()
         # One side finished: end the other so neither waits forever.
