@@ -28,6 +28,10 @@ from . import queue
 
 log = logging.getLogger("tierckpt.worker")
 
+# The longest pause between two claims while the catalog is unreachable: how
+# late, at worst, an agent notices the catalog is back.
+OUTAGE_PAUSE_MAX = 5.0
+
 
 class PermanentJobError(Exception):
     """Retrying cannot help (the source file changed, the input is invalid)."""
@@ -105,6 +109,7 @@ class Worker:
             log.warning("could not release stale leases: %s", exc)
 
     async def _claim_loop(self) -> None:
+        failures = 0  # claims failed in a row: the catalog is unreachable
         while not self._stopping.is_set():
             await self._slots.acquire()
             if self._stopping.is_set():
@@ -117,18 +122,36 @@ class Worker:
                 job = await self._claim()
             except (OperationalError, DBAPIError, OSError) as exc:
                 # The catalog is unreachable: pause, keep what we hold, retry.
-                log.warning("claim failed (catalog unreachable?): %s", exc)
+                failures += 1
+                if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th, 8th… in a row
+                    log.warning(
+                        "claim failed %d time(s) in a row (catalog unreachable?): %s", failures, exc
+                    )
                 job = None
+            else:
+                if failures:
+                    log.info("catalog reachable again after %d failed claim(s)", failures)
+                failures = 0
             if job is None:
                 self._slots.release()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), self._settings.poll_interval)
+                    await asyncio.wait_for(self._wakeup.wait(), self._pause(failures))
                 except TimeoutError:
                     pass
                 continue
             task = asyncio.create_task(self._execute(job), name=f"job-{job.id}-{job.kind}")
             self._running[task] = job
             task.add_done_callback(self._finished)
+
+    def _pause(self, failures: int) -> float:
+        """Seconds until the next claim: the poll interval, doubling while the
+        catalog stays unreachable, up to OUTAGE_PAUSE_MAX. Every agent of a
+        shared catalog polls it; at a fixed pace they would all hammer it
+        (connect attempts, log lines) through an outage and its recovery."""
+        interval = self._settings.poll_interval
+        if not failures:
+            return interval
+        return max(interval, min(interval * 2 ** min(failures, 16), OUTAGE_PAUSE_MAX))
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._running.pop(task, None)
