@@ -25,6 +25,7 @@ from ..jobs.worker import JobHandler
 from ..models import Checkpoint, CheckpointState, Job, JobKind, Replica, ReplicaState, utcnow
 from ..resources import Resources
 from ..storage.base import ObjectStore
+from ..storage.leftovers import abort_left_uploads
 
 
 class DeleteJobs:
@@ -97,7 +98,7 @@ class DeleteJobs:
         await store.delete(manifest_key)  # the commit marker first
         # Uploads still open under the checkpoint (an upload killed mid-way,
         # or one running now) would otherwise outlive it, unseen and billed.
-        await store.abort_incomplete(posixpath.dirname(manifest_key) + "/")
+        await abort_left_uploads(store, posixpath.dirname(manifest_key) + "/")
         semaphore = asyncio.Semaphore(16)
 
         async def one(key: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from pathlib import Path
 
 from sqlalchemy import func, select, update
@@ -35,12 +34,11 @@ from ..replication.jobs import enqueue_replication
 from ..resources import Resources
 from ..storage import layout
 from ..storage.base import StoreError
+from ..storage.leftovers import abort_left_uploads
 from .dedup import Deduplicator
 from .manifest import manifest_digest
 from .pipeline import UploadedFile, UploadLimits, upload_file
 from .source import SourceChanged, SourceFile
-
-log = logging.getLogger("tierckpt.upload")
 
 
 async def locked(session: AsyncSession, checkpoint_id: int) -> Checkpoint:
@@ -129,13 +127,7 @@ class UploadJobs:
             # lease): its open multipart uploads would stay in the region,
             # invisible and billed, forever. This job owns the shard's prefix
             # in this region (one upload job per shard and region).
-            aborted = await store.abort_incomplete(layout.shard_prefix(run_name, step, rank))
-            if aborted:
-                log.info(
-                    "aborted %d upload(s) left by an earlier attempt",
-                    aborted,
-                    extra={"region": job.region, "run": run_name, "step": step, "rank": rank},
-                )
+            await abort_left_uploads(store, layout.shard_prefix(run_name, step, rank))
         roots = self.r.settings.local.roots
         # Unchanged files are copied inside the region instead of sent; not for
         # a repair, which rewrites a damaged copy from T0 by design.
