@@ -161,8 +161,9 @@ def _ping_when_idle(engine: AsyncEngine, idle_seconds: float) -> None:
     (the server restarted or was cut off) is replaced without asking. What is
     left, a connection that died in the last second without its socket
     saying so, fails its statement, and that invalidates the whole pool
-    (SQLAlchemy's disconnect handling): the caller's one retry gets a fresh
-    connection (latest_answer.latest_json)."""
+    (SQLAlchemy's disconnect handling): `latest` tries once more and gets a
+    fresh connection (latest_answer._read_with_retry); other reads answer
+    that one request 503 (retry shortly), and the next gets a fresh one."""
 
     @event.listens_for(engine.sync_engine, "checkin")
     def _checked_in(_dbapi_connection: Any, record: Any) -> None:
