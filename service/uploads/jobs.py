@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 from sqlalchemy import func, select, update
@@ -33,12 +34,14 @@ from ..observability import metrics
 from ..replication.jobs import enqueue_replication
 from ..resources import Resources
 from ..storage import layout
-from ..storage.base import StoreError
+from ..storage.base import ObjectStore, StoreError
 from ..storage.leftovers import abort_left_uploads
 from .dedup import Deduplicator
 from .manifest import manifest_digest
 from .pipeline import UploadedFile, UploadLimits, upload_file
 from .source import SourceChanged, SourceFile
+
+log = logging.getLogger("tierckpt.upload")
 
 
 async def locked(session: AsyncSession, checkpoint_id: int) -> Checkpoint:
@@ -147,6 +150,16 @@ class UploadJobs:
         metrics.observe_dedup(job.region, sum(u.size for u in uploaded) - sent)
 
         by_path = {u.relative: u.sha256 for u in uploaded}
+        async with transaction(self.r.sessionmaker) as session:
+            checkpoint = await locked(session, job.checkpoint_id)
+            deleted = checkpoint.state == CheckpointState.DELETED
+            if deleted:
+                await queue.complete(session, job)
+        if deleted:
+            # Deleted while this upload ran: its delete job may have gone
+            # through the region before these objects landed. Take them back.
+            await _withdraw(store, [s.key for s in sources])
+            return
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await locked(session, job.checkpoint_id)
             if is_repair(job):
@@ -319,24 +332,36 @@ class UploadJobs:
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await locked(session, job.checkpoint_id)
             await queue.complete(session, job)
-            now = utcnow()
-            await session.execute(
-                update(Replica)
-                .where(Replica.checkpoint_id == checkpoint.id, Replica.region == job.region)
-                .values(
-                    state=ReplicaState.COMMITTED,
-                    manifest_sha256=manifest_digest(manifest),
-                    committed_at=now,
-                    error=None,
-                )
+            if checkpoint.state == CheckpointState.DELETED:
+                # Deleted while the manifest was being written (its delete job
+                # may have gone through this region before it landed): no
+                # commit marker may outlive the checkpoint (a catalog rebuild
+                # reads them), and its replica stays as the deletion left it.
+                withdraw = [key]
+            else:
+                withdraw = []
+                await self._committed(session, checkpoint, job.region, manifest)
+        if withdraw:
+            await _withdraw(store, withdraw)
+
+    async def _committed(
+        self, session: AsyncSession, checkpoint: Checkpoint, region: str, manifest: bytes
+    ) -> None:
+        """The region's manifest is written: its replica is committed."""
+        now = utcnow()
+        await session.execute(
+            update(Replica)
+            .where(Replica.checkpoint_id == checkpoint.id, Replica.region == region)
+            .values(
+                state=ReplicaState.COMMITTED,
+                manifest_sha256=manifest_digest(manifest),
+                committed_at=now,
+                error=None,
             )
-            await refresh_state(
-                session,
-                checkpoint,
-                self.r.settings.durability.min_regions,
-                len(self.r.settings.regions),
-            )
-            await enqueue_replication(session, checkpoint, self.r)
+        )
+        min_regions = self.r.settings.durability.min_regions
+        await refresh_state(session, checkpoint, min_regions, len(self.r.settings.regions))
+        await enqueue_replication(session, checkpoint, self.r)
 
     async def commit_failed(self, session: AsyncSession, job: Job, error: str) -> None:
         # A secondary region's commit (after a fan-out upload) does not fail
@@ -344,6 +369,17 @@ class UploadJobs:
         if job.region == self.r.settings.primary_region.name:
             await mark_checkpoint_failed(session, job.checkpoint_id, f"commit failed: {error}")
         await self._fall_back_to_replication(session, job, f"commit failed: {error}")
+
+
+async def _withdraw(store: ObjectStore, keys: list[str]) -> None:
+    """Best effort: delete what was written for a checkpoint deleted meanwhile.
+    What stays (the store is down) is never valid to anyone: the catalog says
+    deleted, and a catalog rebuild re-verifies every object it finds."""
+    for key in keys:
+        try:
+            await store.delete(key)
+        except StoreError as exc:
+            log.warning("could not withdraw %s from %s: %s", key, store.region, exc)
 
 
 async def _record_hashes(

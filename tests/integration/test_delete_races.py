@@ -1,0 +1,72 @@
+"""A checkpoint deleted while its upload or its commit is still running.
+
+Deletion marks the checkpoint deleted, then removes its objects region by
+region. An upload or a commit already under way can land objects after that
+sweep went by: they must be taken back, never left as a commit marker (which
+a catalog rebuild reads) or as objects nobody owns, and the catalog must stay
+"deleted" with no replica claiming to be committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from tests.support.agent import Agent, running_agent, write_checkpoint
+from tierckpt.service.models import Checkpoint, Job, Replica
+
+
+async def _jobs_done(agent: Agent, kind: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        async with agent.resources.sessionmaker() as session:
+            states = list(await session.scalars(select(Job.state).where(Job.kind == kind)))
+        if states and all(s in ("succeeded", "failed") for s in states):
+            assert set(states) == {"succeeded"}, states
+            return
+        assert time.monotonic() < deadline, f"{kind} jobs: {states}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("moment", ["upload", "commit"])
+async def test_deleted_mid_flight_leaves_nothing_in_the_region(
+    catalog_url: str, tmp_path: Path, moment: str
+) -> None:
+    async with running_agent(catalog_url, tmp_path, worker={"poll_interval": 0.05}) as agent:
+        store: Any = agent.resources.stores["local"]
+        put_bytes = store.put_bytes
+
+        raced = False
+
+        async def put_then_race(key: str, data: Any) -> None:
+            # The worst moment: the whole deletion (catalog, then this
+            # region's sweep) runs between this write's start and its landing.
+            nonlocal raced
+            if not raced and (moment == "commit") == key.endswith("MANIFEST.json"):
+                raced = True
+                deleted = await agent.http.delete("/v1/runs/r/checkpoints/1")
+                assert deleted.status_code == 202, deleted.text
+                await _jobs_done(agent, "delete")
+            await put_bytes(key, data)
+
+        store.put_bytes = put_then_race
+        ckpt = write_checkpoint(agent.ssd / "s1", {"a.bin": 1000, "b/c.json": b"{}"})
+        assert (await agent.register("r", 1, ckpt)).status_code == 202
+        await _jobs_done(agent, "upload")
+        if moment == "commit":
+            await _jobs_done(agent, "commit")
+        assert raced
+
+        region = tmp_path / "region-local"
+        left = sorted(str(p.relative_to(region)) for p in region.rglob("*") if p.is_file())
+        assert left == [], left
+        async with agent.resources.sessionmaker() as session:
+            assert await session.scalar(select(Checkpoint.state)) == "deleted"
+            replicas = list(await session.scalars(select(Replica.state)))
+        assert "committed" not in replicas, replicas
+        assert (await agent.http.get("/v1/runs/r/latest")).status_code == 404
