@@ -155,28 +155,27 @@ class UploadJobs:
             deleted = checkpoint.state == CheckpointState.DELETED
             if deleted:
                 await queue.complete(session, job)
+            elif is_repair(job):
+                await queue.complete(session, job)
+                await self._commit_repair_when_complete(session, checkpoint, job.region)
+                return
+            else:
+                try:
+                    await _record_hashes(session, job.shard_id, by_path)
+                except HashDisagrees as exc:
+                    raise PermanentJobError(str(exc)) from exc
+                await queue.complete(session, job)
+                await session.execute(
+                    update(Shard)
+                    .where(Shard.id == job.shard_id, Shard.state != ShardState.UPLOADED)
+                    .values(state=ShardState.UPLOADED, uploaded_at=utcnow(), error=None)
+                )
+                await self._enqueue_commit_when_complete(session, checkpoint, job.region)
         if deleted:
             # Deleted while this upload ran: its delete job may have gone
             # through the region before these objects landed. Take them back.
             await _withdraw(store, [s.key for s in sources])
             return
-        async with transaction(self.r.sessionmaker) as session:
-            checkpoint = await locked(session, job.checkpoint_id)
-            if is_repair(job):
-                await queue.complete(session, job)
-                await self._commit_repair_when_complete(session, checkpoint, job.region)
-                return
-            try:
-                await _record_hashes(session, job.shard_id, by_path)
-            except HashDisagrees as exc:
-                raise PermanentJobError(str(exc)) from exc
-            await queue.complete(session, job)
-            await session.execute(
-                update(Shard)
-                .where(Shard.id == job.shard_id, Shard.state != ShardState.UPLOADED)
-                .values(state=ShardState.UPLOADED, uploaded_at=utcnow(), error=None)
-            )
-            await self._enqueue_commit_when_complete(session, checkpoint, job.region)
         self.r.wake_worker()
 
     async def _fan_out(self, session: AsyncSession, checkpoint: Checkpoint, job: Job) -> None:
@@ -332,17 +331,15 @@ class UploadJobs:
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await locked(session, job.checkpoint_id)
             await queue.complete(session, job)
-            if checkpoint.state == CheckpointState.DELETED:
-                # Deleted while the manifest was being written (its delete job
-                # may have gone through this region before it landed): no
-                # commit marker may outlive the checkpoint (a catalog rebuild
-                # reads them), and its replica stays as the deletion left it.
-                withdraw = [key]
-            else:
-                withdraw = []
+            # Deleted while the manifest was being written (its delete job may
+            # have gone through this region before it landed): no commit
+            # marker may outlive the checkpoint (a catalog rebuild reads
+            # them), and its replica stays as the deletion left it.
+            deleted = checkpoint.state == CheckpointState.DELETED
+            if not deleted:
                 await self._committed(session, checkpoint, job.region, manifest)
-        if withdraw:
-            await _withdraw(store, withdraw)
+        if deleted:
+            await _withdraw(store, [key])
 
     async def _committed(
         self, session: AsyncSession, checkpoint: Checkpoint, region: str, manifest: bytes
