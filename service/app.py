@@ -19,6 +19,7 @@ from .db import (
     create_sessionmaker,
     create_sync_readers,
     dispose_read_engine,
+    dispose_sync_readers,
 )
 from .errors import install_error_handlers
 from .health.routes import router as health_router
@@ -89,10 +90,7 @@ async def close_resources(resources: Resources) -> None:
     if resources.registrations is not None:
         await resources.registrations.close()
     await resources.stores.aclose()
-    if resources.sync_readers is not None:
-        bind = resources.sync_readers.kw.get("bind")
-        if bind is not None:
-            bind.engine.dispose()
+    dispose_sync_readers(resources.sync_readers)
     if resources.read_sessionmaker is not None:
         await dispose_read_engine(resources.read_sessionmaker, resources.engine)
     await resources.engine.dispose()

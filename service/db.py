@@ -192,6 +192,13 @@ def known_closed(dbapi_connection: Any) -> bool:
     return driver is not None and bool(driver.is_closed())
 
 
+def dispose_sync_readers(readers: sessionmaker[Session] | None) -> None:
+    """Close the pool of ``create_sync_readers``' engine (None: nothing to do)."""
+    bind = readers.kw.get("bind") if readers is not None else None
+    if bind is not None:
+        bind.engine.dispose()
+
+
 async def dispose_read_engine(
     read_sessionmaker: async_sessionmaker[AsyncSession], engine: AsyncEngine
 ) -> None:

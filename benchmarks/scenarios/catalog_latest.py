@@ -5,7 +5,7 @@ The question every restart asks must stay fast when a catalog has grown:
 timed through HTTP against a real ``tierckpt serve`` (workers off), one
 keep-alive client, sequential requests after a warm-up; p50/p99/max per
 database. The
-in-process catalog read (``repository.latest_rows``) is timed too, to tell
+in-process catalog read (``latest_answer.read_latest_rows``) is timed too, to tell
 the database's share from the HTTP/app share.
 
 The catalog is built by the real migrations (``tierckpt.service.migrate``,
@@ -473,14 +473,21 @@ def _check_answers(url: str, rows: Rows) -> int:
 def _query_times(
     catalog_url: str, run: str, count: int, *, quick: bool = False
 ) -> dict[str, list[float]]:
-    """In-process: the catalog read `latest` runs (repository.latest_rows:
-    one statement on PostgreSQL, two on SQLite), through the service's own
-    read engines (the plain-sqlite readers on SQLite, the autocommit pool on
-    PostgreSQL), seconds each: the database's share of an answer. With
-    ``quick``, without ``region=west``."""
-    from tierckpt.service.checkpoints import repository as repo
-    from tierckpt.service.checkpoints.latest_answer import _in_sync_session
-    from tierckpt.service.db import create_engine, create_read_sessionmaker, create_sync_readers
+    """In-process: the catalog read `latest` runs (latest_answer.read_latest_rows:
+    one statement on PostgreSQL, two in one thread hop on SQLite), through the
+    service's own read engines (the plain-sqlite readers on SQLite, the
+    autocommit pool on PostgreSQL), seconds each: the database's share of an
+    answer. With ``quick``, without ``region=west``."""
+    from tierckpt.service.checkpoints.latest_answer import read_latest_rows
+    from tierckpt.service.db import (
+        create_engine,
+        create_read_sessionmaker,
+        create_sync_readers,
+        dispose_read_engine,
+        dispose_sync_readers,
+    )
+
+    warmup = QUICK_WARMUP if quick else WARMUP
 
     async def measure() -> dict[str, list[float]]:
         engine = create_engine(catalog_url)
@@ -490,23 +497,16 @@ def _query_times(
         try:
             for region, times in out.items():
                 where = None if region == "any" else region
-                warmup = QUICK_WARMUP if quick else WARMUP
                 for n in range(warmup + count):
                     began = time.perf_counter()
-                    if readers is not None:
-                        found = _in_sync_session(readers, repo.latest_rows, run, 1, where)
-                    else:
-                        async with sessions() as session:
-                            found = await session.run_sync(repo.latest_rows, run, 1, where)
+                    found = await read_latest_rows(readers, sessions, run, 1, where)
                     if n >= warmup:
                         times.append(time.perf_counter() - began)
                     assert found is not None
         finally:
-            if readers is not None:
-                bind = readers.kw["bind"]
-                bind.engine.dispose()
-            else:
-                await sessions.kw["bind"].dispose()
+            # As the agent's close_resources does.
+            dispose_sync_readers(readers)
+            await dispose_read_engine(sessions, engine)
             await engine.dispose()
         return out
 
@@ -617,7 +617,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         for db, url in catalogs.items():
             times = _query_times(url, BIG_RUN, min(per_rep, 300), quick=ctx.quick)
             for variant, values in times.items():
-                label = "latest_rows" if variant == "any" else "latest_rows region=west"
+                label = "read_latest_rows" if variant == "any" else "read_latest_rows region=west"
                 figures = _ms(values)
                 queries.setdefault(f"{db} {label}", {}).setdefault("reps", []).append(figures)
                 log(f"latest in-process {db} {label}: p50 {figures['p50']:.3f} ms")

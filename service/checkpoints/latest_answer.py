@@ -118,21 +118,13 @@ async def latest_json(
             f"unknown region {region!r}; configured: {', '.join(resources.stores)}",
             code="unknown_region",
         )
-    min_regions = resources.settings.durability.min_regions
-    readers = resources.sync_readers
-    rows: LatestRows | None
-    if readers is not None:
-        # SQLite: through aiosqlite every statement costs several thread
-        # hand-offs (~46 per answer once, most of its CPU); the read runs
-        # whole in one hop on the agent's plain-sqlite read engine, in one
-        # snapshot.
-        rows = await asyncio.to_thread(
-            _in_sync_session, readers, repo.latest_rows, run, min_regions, region
-        )
-    else:
-        rows = await _read_with_retry(
-            resources.read_sessionmaker or resources.sessionmaker, run, min_regions, region
-        )
+    rows = await read_latest_rows(
+        resources.sync_readers,
+        resources.read_sessionmaker or resources.sessionmaker,
+        run,
+        resources.settings.durability.min_regions,
+        region,
+    )
     if rows is None:
         where = f" in region {region}" if region else ""
         raise NotFound(
@@ -140,6 +132,26 @@ async def latest_json(
         )
     local = await _local_copy(resources, rows, node)
     return to_json(latest_document(run, rows, list(resources.stores), local))
+
+
+async def read_latest_rows(
+    readers: sessionmaker[Session] | None,
+    maker: async_sessionmaker[AsyncSession],
+    run: str,
+    min_regions: int,
+    region: str | None,
+) -> LatestRows | None:
+    """The catalog read behind `latest` (the benchmark times it alone too).
+
+    SQLite (``readers``): through aiosqlite every statement costs several
+    thread hand-offs (~46 per answer once, most of its CPU); the read runs
+    whole in one hop on the agent's plain-sqlite read engine, in one
+    snapshot. PostgreSQL: on ``maker``'s pool, once more after a disconnect."""
+    if readers is not None:
+        return await asyncio.to_thread(
+            _in_sync_session, readers, repo.latest_rows, run, min_regions, region
+        )
+    return await _read_with_retry(maker, run, min_regions, region)
 
 
 async def _read_with_retry(
