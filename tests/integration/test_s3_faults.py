@@ -8,6 +8,7 @@ attempt, so a busy loop would show.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import statistics
@@ -119,3 +120,36 @@ async def test_slow_store_still_completes(
         latest = (await agent.http.get("/v1/runs/r/latest")).json()
         assert latest["step"] == 1
         check_bytes(s3_client, s3_bucket, "r", 1, ckpt)
+
+
+async def test_a_store_refusing_to_list_uploads_does_not_block_deletion(
+    proxy: S3FaultProxy, tmp_path: Path, s3_bucket: str, s3_client: Any
+) -> None:
+    """A bucket policy without s3:ListBucketMultipartUploads: the deletion's
+    clean-up of open uploads is refused (403), and the deletion still
+    completes instead of retrying for ever (storage/leftovers.py)."""
+    regions = [s3_region("east", proxy.endpoint_url, s3_bucket, PREFIX)]
+    async with running_agent(catalog(tmp_path), tmp_path, regions) as agent:
+        ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 4096})
+        assert (await agent.register("r", 1, ckpt)).status_code == 202
+        assert (await agent.wait_state("r", 1))["state"] == "durable"
+
+        def lists_uploads(request: Any) -> bool:
+            return request.method == "GET" and "uploads" in request.query
+
+        proxy.fail(403, "AccessDenied", only=lists_uploads)
+        deleted = await agent.http.delete("/v1/runs/r/checkpoints/1", params={"force": "true"})
+        assert deleted.status_code == 202, deleted.text
+        deadline = time.monotonic() + 60
+        while True:
+            detail = (await agent.http.get("/v1/runs/r/checkpoints/1")).json()
+            job = next(j for j in detail["jobs"] if j["kind"] == "delete")
+            if job["state"] in ("succeeded", "failed") or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert job["state"] == "succeeded", job
+        assert detail["state"] == "deleted"
+        refused = proxy.faults()
+        assert refused and all(s.method == "GET" and s.status == 403 for s in refused), refused
+        listed = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/r/")
+        assert listed.get("KeyCount", 0) == 0, listed.get("Contents")

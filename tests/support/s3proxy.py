@@ -6,7 +6,9 @@ Requests pass through untouched until a test asks for trouble:
   S3 XML error instead of forwarding (throttling, 500 InternalError, …),
   for a while or for the next N requests;
 - ``delay(seconds, for_seconds=…)`` forwards, but only after a pause (a
-  slow store).
+  slow store);
+- ``only=`` on either narrows the fault to the requests it accepts (say,
+  one S3 operation that a bucket policy refuses), the rest pass.
 
 Every request is logged (time, method, path, status, whether it was a
 fault), so a test can count attempts and see how they were spaced: retries
@@ -20,7 +22,7 @@ import asyncio
 import io
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,6 +59,7 @@ class Fault:
     delay: float = 0.0
     until: float | None = None  # monotonic deadline
     remaining: int | None = None  # requests left
+    only: Callable[[web.Request], bool] | None = None  # the requests it hits
 
     def active(self, now: float) -> bool:
         if self.until is not None and now >= self.until:
@@ -104,15 +107,18 @@ class S3FaultProxy:
         *,
         seconds: float | None = None,
         count: int | None = None,
+        only: Callable[[web.Request], bool] | None = None,
     ) -> None:
         """Answer ``status`` with an S3 error ``code`` instead of forwarding,
-        for ``seconds`` or for the next ``count`` requests (or until clear())."""
+        for ``seconds`` or for the next ``count`` requests (or until clear()),
+        to every request or to those ``only`` accepts."""
         with self._lock:
             self._fault = Fault(
                 status=status,
                 code=code,
                 until=None if seconds is None else time.monotonic() + seconds,
                 remaining=count,
+                only=only,
             )
 
     def delay(self, seconds: float, *, for_seconds: float | None = None) -> None:
@@ -162,10 +168,12 @@ class S3FaultProxy:
         if self._session is not None:
             await self._session.close()
 
-    def _take_fault(self) -> Fault | None:
+    def _take_fault(self, request: web.Request) -> Fault | None:
         with self._lock:
             fault = self._fault
             if fault is None or not fault.active(time.monotonic()):
+                return None
+            if fault.only is not None and not fault.only(request):
                 return None
             if fault.remaining is not None:
                 fault.remaining -= 1
@@ -176,7 +184,7 @@ class S3FaultProxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        fault = self._take_fault()
+        fault = self._take_fault(request)
         if fault is not None and fault.status:
             self.log.append(
                 Seen(time.monotonic(), request.method, request.path, fault.status, True)
