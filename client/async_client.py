@@ -347,6 +347,7 @@ class AsyncCheckpointClient:
                 rank=rank,
                 progress=progress,
                 options=self._transfer,
+                direct=own,
             )
         finally:
             if own:

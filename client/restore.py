@@ -10,6 +10,7 @@ directory: a failed restore leaves nothing half-written.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -21,6 +22,7 @@ from pathlib import Path, PurePosixPath
 import httpx
 
 from ._api import auth_headers
+from ._direct_get import DirectRanges
 from ._download import FileJob, SourceError, TransferOptions, fetch_files, in_thread
 from .errors import BadRequestError, DestinationError, RestoreError
 from .models import PlanFile, RestorePlan
@@ -265,6 +267,15 @@ def _jobs(
     return jobs
 
 
+def _direct_reader(
+    http: httpx.AsyncClient, direct: bool
+) -> contextlib.AbstractAsyncContextManager[DirectRanges | None]:
+    if not direct:
+        return contextlib.nullcontext()
+    timeout = http.timeout
+    return DirectRanges(connect_timeout=timeout.connect, read_timeout=timeout.read)
+
+
 async def restore_from_plan(
     plan: RestorePlan,
     dest: str | os.PathLike[str],
@@ -274,8 +285,14 @@ async def restore_from_plan(
     rank: int | None = None,
     progress: Progress | None = None,
     options: TransferOptions | None = None,
+    direct: bool = False,
 ) -> Path:
-    """Download ``plan`` into ``dest`` and return ``dest`` once verified."""
+    """Download ``plan`` into ``dest`` and return ``dest`` once verified.
+
+    With ``direct``, presigned URLs are read by :class:`DirectRanges`
+    (received straight into the range buffers) instead of ``http``, which
+    still serves relative URLs and what the direct reader cannot handle;
+    callers that gave ``http`` a transport of their own leave it off."""
     options = options or TransferOptions()
     target = check_destination(dest)
     name = f"{plan.run}:{plan.step}"
@@ -312,9 +329,15 @@ async def restore_from_plan(
             meter = _Meter(progress, reused, sum(f.size for f, _ in layout))
             jobs = _jobs(staging, layout, staged, token)
             try:
-                await fetch_files(
-                    http, jobs, options=options, on_bytes=meter.add, on_verified=on_verified
-                )
+                async with _direct_reader(http, direct) as reader:
+                    await fetch_files(
+                        http,
+                        jobs,
+                        options=options,
+                        on_bytes=meter.add,
+                        on_verified=on_verified,
+                        direct=reader,
+                    )
             except SourceError as exc:
                 failures.append(f"{source.region}: {exc}")
                 rest = [s.region for s in plan.sources[number + 1 :]]

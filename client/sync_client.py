@@ -376,6 +376,7 @@ class CheckpointClient:
                     rank=rank,
                     progress=progress,
                     options=self._transfer,
+                    direct=self._async_transport is None,
                 )
             finally:
                 # Closing the client closes its transport; one passed in by the

@@ -280,7 +280,10 @@ async def test_fan_out_that_gives_up_falls_back_to_replication(
             ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 6 << 20, "m.json": b"{}"})
             assert (await agent.register("fb", 1, ckpt)).status_code == 202
             await agent.wait_state("fb", 1, states=("durable",))
-            for _ in range(400):
+            # Each west attempt pays botocore's retries against a dead
+            # endpoint, and the second one first tries to clear open uploads:
+            # on a loaded machine that took over 20 s.
+            for _ in range(1800):
                 detail = (await agent.http.get("/v1/runs/fb/checkpoints/1")).json()
                 west_jobs = [j for j in detail["jobs"] if j["region"] == "west"]
                 if any(j["kind"] == "upload" and j["state"] == "failed" for j in west_jobs) and any(

@@ -158,15 +158,26 @@ def nothing_left(parent: Path, dest: Path) -> bool:
     return not dest.exists() and not [p for p in parent.iterdir() if ".tierckpt-partial-" in p.name]
 
 
-async def restore(plan: RestorePlan, dest: Path, options: TransferOptions = OPTIONS) -> Path:
+@pytest.fixture(params=["httpx", "direct"])
+def direct(request: pytest.FixtureRequest) -> bool:
+    """Every restore test runs over both readers: httpx with the download
+    transport, and the direct reader (``_direct_get``) the clients use."""
+    return bool(request.param == "direct")
+
+
+async def restore(
+    plan: RestorePlan, dest: Path, direct: bool, options: TransferOptions = OPTIONS
+) -> Path:
     async with httpx.AsyncClient(transport=download.download_transport(options)) as http:
-        return await restore_from_plan(plan, dest, http=http, token=None, options=options)
+        return await restore_from_plan(
+            plan, dest, http=http, token=None, options=options, direct=direct
+        )
 
 
-async def test_odd_sizes_restore_byte_exact_over_the_download_transport(server, tmp_path):
+async def test_odd_sizes_restore_byte_exact_over_the_download_transport(server, tmp_path, direct):
     files = odd_files()
     dest = tmp_path / "dest"
-    assert await restore(server.plan(["east"], files), dest) == dest
+    assert await restore(server.plan(["east"], files), dest, direct) == dest
     assert tree(dest) == files
     # One ranged GET per range, none for the empty file, each range in bounds.
     wanted = sum(-(-size // RANGE) for size in SIZES)
@@ -177,7 +188,9 @@ async def test_odd_sizes_restore_byte_exact_over_the_download_transport(server, 
         assert start % RANGE == 0 and end == min(start + RANGE, size) - 1
 
 
-async def test_range_buffers_are_reused_and_bounded_by_the_window(server, tmp_path, monkeypatch):
+async def test_range_buffers_are_reused_and_bounded_by_the_window(
+    server, tmp_path, direct, monkeypatch
+):
     made: list[int] = []
     original = download._Buffers.take
 
@@ -188,7 +201,7 @@ async def test_range_buffers_are_reused_and_bounded_by_the_window(server, tmp_pa
 
     monkeypatch.setattr(download._Buffers, "take", take)
     big = {"big.bin": blob(40 * RANGE + 7, 1), "small.bin": blob(10, 2)}
-    await restore(server.plan(["east"], big), tmp_path / "dest")
+    await restore(server.plan(["east"], big), tmp_path / "dest", direct)
     assert tree(tmp_path / "dest") == big
     # 42 ranges went through at most `window` buffers of exactly range_size:
     # memory does not grow with the file size.
@@ -196,54 +209,54 @@ async def test_range_buffers_are_reused_and_bounded_by_the_window(server, tmp_pa
     assert set(made) == {RANGE}
 
 
-async def test_a_corrupt_region_falls_back_to_the_next(server, tmp_path, caplog):
+async def test_a_corrupt_region_falls_back_to_the_next(server, tmp_path, direct, caplog):
     files = odd_files()
     server.corrupt.add("east")
     dest = tmp_path / "dest"
-    await restore(server.plan(["east", "west"], files), dest)
+    await restore(server.plan(["east", "west"], files), dest, direct)
     assert tree(dest) == files
     assert "SHA-256 mismatch" in caplog.text and "west" in caplog.text
 
 
-async def test_every_region_corrupt_is_an_error_and_leaves_nothing(server, tmp_path):
+async def test_every_region_corrupt_is_an_error_and_leaves_nothing(server, tmp_path, direct):
     server.corrupt.update({"east", "west"})
     dest = tmp_path / "deep" / "dest"
     with pytest.raises(RestoreError) as raised:
-        await restore(server.plan(["east", "west"], odd_files()), dest)
+        await restore(server.plan(["east", "west"], odd_files()), dest, direct)
     assert raised.value.code == "all_sources_failed"
     assert "SHA-256 mismatch" in str(raised.value)
     # The parents created for the staging directory went too.
     assert not (tmp_path / "deep").exists()
 
 
-async def test_connection_dropped_mid_body_falls_back(server, tmp_path):
+async def test_connection_dropped_mid_body_falls_back(server, tmp_path, direct):
     files = {"a.bin": blob(3 * RANGE + 1, 3)}
     server.truncate.add("east")
     dest = tmp_path / "dest"
-    await restore(server.plan(["east", "west"], files), dest)
+    await restore(server.plan(["east", "west"], files), dest, direct)
     assert tree(dest) == files
     assert any(path.startswith("/west/") for path, _ in server.requests)
 
 
-async def test_dropped_everywhere_leaves_nothing(server, tmp_path):
+async def test_dropped_everywhere_leaves_nothing(server, tmp_path, direct):
     server.truncate.update({"east", "west"})
     dest = tmp_path / "dest"
     with pytest.raises(RestoreError):
-        await restore(server.plan(["east", "west"], {"a.bin": blob(3 * RANGE, 4)}), dest)
+        await restore(server.plan(["east", "west"], {"a.bin": blob(3 * RANGE, 4)}), dest, direct)
     assert nothing_left(tmp_path, dest)
 
 
-async def test_an_encoded_body_is_refused(server, tmp_path):
+async def test_an_encoded_body_is_refused(server, tmp_path, direct):
     server.gzip.add("east")
     files = {"a.bin": blob(RANGE + 3, 5)}
     dest = tmp_path / "dest"
-    await restore(server.plan(["east", "west"], files), dest)
+    await restore(server.plan(["east", "west"], files), dest, direct)
     assert tree(dest) == files
     # The bytes were the right ones, but labelled encoded: east is not trusted.
     assert any(path.startswith("/west/") for path, _ in server.requests)
 
 
-async def test_interrupted_restore_leaves_nothing(server, tmp_path):
+async def test_interrupted_restore_leaves_nothing(server, tmp_path, direct):
     files = {f"f{i}.bin": blob(5 * RANGE + i, i) for i in range(6)}
     plan = server.plan(["east"], files)
     dest = tmp_path / "dest"
@@ -256,7 +269,13 @@ async def test_interrupted_restore_leaves_nothing(server, tmp_path):
     async def run() -> None:
         async with httpx.AsyncClient(transport=download.download_transport(OPTIONS)) as http:
             await restore_from_plan(
-                plan, dest, http=http, token=None, options=OPTIONS, progress=progress
+                plan,
+                dest,
+                http=http,
+                token=None,
+                options=OPTIONS,
+                progress=progress,
+                direct=direct,
             )
 
     task = asyncio.create_task(run())
