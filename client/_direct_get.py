@@ -30,6 +30,7 @@ import httpx
 
 from ._api import USER_AGENT
 from ._download import (
+    RangeBuffer,
     SourceError,
     Unsupported,
     check_range_response,
@@ -296,7 +297,7 @@ class DirectRanges:
         size: int,
         start: int,
         end: int,
-        buffer: bytearray,
+        buffer: RangeBuffer,
     ) -> None:
         """Fill ``buffer[: end - start]`` with bytes ``start`` to ``end`` of
         the ``size``-byte object at ``url``. Raises :class:`SourceError` (the

@@ -49,6 +49,9 @@ class Contents:
     def manifest_key(self, checkpoint: Checkpoint) -> str:
         return layout.manifest_key(self.run, checkpoint.step)
 
+    def step_prefix(self, checkpoint: Checkpoint) -> str:
+        return layout.step_prefix(self.run, checkpoint.step)
+
 
 async def load_contents(session: AsyncSession, checkpoint: Checkpoint) -> Contents:
     run = await session.get_one(Run, checkpoint.run_id)

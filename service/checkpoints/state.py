@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Protocol
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..models import Checkpoint, CheckpointState, Replica, ReplicaState, utcnow
@@ -67,6 +67,37 @@ async def refresh_state(
             f"no intact copy in enough regions ({committed} of {min_regions} needed); "
             "repair scheduled where a good source exists"
         )
+
+
+async def commit_replica(
+    session: AsyncSession,
+    checkpoint: Checkpoint,
+    region: str,
+    manifest_sha256: str,
+    *,
+    verified: bool | None,
+    min_regions: int,
+    region_count: int,
+) -> None:
+    """The region's manifest is written: its replica is committed, and the
+    checkpoint's state follows. ``verified``: every byte was hashed on the way
+    (True), the copy was not (False: any earlier verification no longer
+    holds), or nothing is said (None). The checkpoint row must be locked."""
+    now = utcnow()
+    values: dict[str, object] = {
+        "state": ReplicaState.COMMITTED,
+        "manifest_sha256": manifest_sha256,
+        "committed_at": now,
+        "error": None,
+    }
+    if verified is not None:
+        values["verified_at"] = now if verified else None
+    await session.execute(
+        update(Replica)
+        .where(Replica.checkpoint_id == checkpoint.id, Replica.region == region)
+        .values(**values)
+    )
+    await refresh_state(session, checkpoint, min_regions, region_count)
 
 
 class _Durable(Protocol):

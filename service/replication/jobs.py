@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints.contents import load_contents
-from ..checkpoints.state import lock_checkpoint, refresh_state
+from ..checkpoints.state import commit_replica, lock_checkpoint
 from ..concurrency import gather_or_cancel
 from ..db import transaction
 from ..jobs import queue
@@ -32,11 +32,11 @@ from ..models import (
     Replica,
     ReplicaState,
     priority_of,
-    utcnow,
 )
 from ..observability import context, metrics
 from ..resources import Resources
 from ..storage.base import ObjectStore, PartRef, StoreError
+from ..storage.leftovers import abort_left_uploads
 from ..uploads.manifest import manifest_digest
 
 # How long a replicate job waits before checking on an upload from T0 that is
@@ -58,6 +58,15 @@ class ObjectToCopy:
     key: str
     size: int
     sha256: str
+
+
+@dataclass(frozen=True)
+class _Plan:
+    sources: list[str]  # committed regions to copy from, primary first
+    objects: list[ObjectToCopy]
+    manifest: bytes
+    manifest_key: str
+    step_prefix: str
 
 
 async def enqueue_replication(
@@ -173,7 +182,7 @@ class ReplicationJobs:
     def handlers(self) -> dict[str, JobHandler]:
         return {JobKind.REPLICATE: JobHandler(run=self.replicate, on_failure=self.failed)}
 
-    async def _plan(self, job: Job) -> tuple[list[str], list[ObjectToCopy], bytes, str] | None:
+    async def _plan(self, job: Job) -> _Plan | None:
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await lock_checkpoint(session, job.checkpoint_id)
             if checkpoint is None or checkpoint.state in (
@@ -215,6 +224,7 @@ class ReplicationJobs:
             contents = await load_contents(session, checkpoint)
             manifest = contents.manifest(checkpoint)
             manifest_key = contents.manifest_key(checkpoint)
+            step_prefix = contents.step_prefix(checkpoint)
             objects = [ObjectToCopy(o.key, o.size, o.sha256 or "") for o in contents.objects]
         if not sources:
             # Nothing intact to copy from yet (primary still uploading, or every
@@ -222,7 +232,7 @@ class ReplicationJobs:
             raise StoreError(f"no committed region to replicate {job.region} from yet")
         primary = self.r.settings.primary_region.name
         sources.sort(key=lambda name: name != primary)
-        return sources, objects, manifest, manifest_key
+        return _Plan(sources, objects, manifest, manifest_key, step_prefix)
 
     async def replicate(self, job: Job) -> None:
         assert job.region is not None
@@ -232,35 +242,34 @@ class ReplicationJobs:
         plan = await self._plan(job)
         if plan is None:
             return
-        sources, objects, manifest, manifest_key = plan
+        objects, manifest = plan.objects, plan.manifest
+        if job.attempts > 1:
+            # An earlier attempt killed mid-copy (kill -9, a lost lease) left
+            # its multipart uploads open: unseen, billed, for ever. _plan has
+            # just checked that no upload or commit from T0 writes into this
+            # region, so the step's prefix there is this job's alone.
+            await abort_left_uploads(target, plan.step_prefix)
         errors = []
-        for name in sources:
+        for name in plan.sources:
             try:
                 verified = await self._copy_all(self.r.stores[name], target, objects)
             except SourceCorrupt as exc:
                 # The source is bad: try another; the scrubber marks it.
                 errors.append(f"{name}: {exc}")
                 continue
-            await target.put_bytes(manifest_key, manifest)
+            await target.put_bytes(plan.manifest_key, manifest)
             async with transaction(self.r.sessionmaker) as session:
                 checkpoint = await lock_checkpoint(session, job.checkpoint_id)
                 assert checkpoint is not None
                 await queue.complete(session, job)
-                now = utcnow()
-                await session.execute(
-                    update(Replica)
-                    .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
-                    .values(
-                        state=ReplicaState.COMMITTED,
-                        manifest_sha256=manifest_digest(manifest),
-                        committed_at=now,
-                        verified_at=now if verified else None,
-                        error=None,
-                    )
-                )
-                settings = self.r.settings
-                await refresh_state(
-                    session, checkpoint, settings.durability.min_regions, len(settings.regions)
+                await commit_replica(
+                    session,
+                    checkpoint,
+                    job.region,
+                    manifest_digest(manifest),
+                    verified=verified,
+                    min_regions=self.r.settings.durability.min_regions,
+                    region_count=len(self.r.settings.regions),
                 )
             metrics.observe_replication(job.region, sum(o.size for o in objects))
             return

@@ -10,7 +10,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints.contents import load_contents
-from ..checkpoints.state import FINAL, lock_checkpoint, refresh_state
+from ..checkpoints.state import FINAL, commit_replica, lock_checkpoint
 from ..concurrency import gather_or_cancel
 from ..db import transaction
 from ..jobs import queue
@@ -345,19 +345,16 @@ class UploadJobs:
         self, session: AsyncSession, checkpoint: Checkpoint, region: str, manifest: bytes
     ) -> None:
         """The region's manifest is written: its replica is committed."""
-        now = utcnow()
-        await session.execute(
-            update(Replica)
-            .where(Replica.checkpoint_id == checkpoint.id, Replica.region == region)
-            .values(
-                state=ReplicaState.COMMITTED,
-                manifest_sha256=manifest_digest(manifest),
-                committed_at=now,
-                error=None,
-            )
+        await commit_replica(
+            session,
+            checkpoint,
+            region,
+            manifest_digest(manifest),
+            # The upload hashed what it sent, not what the region holds.
+            verified=None,
+            min_regions=self.r.settings.durability.min_regions,
+            region_count=len(self.r.settings.regions),
         )
-        min_regions = self.r.settings.durability.min_regions
-        await refresh_state(session, checkpoint, min_regions, len(self.r.settings.regions))
         await enqueue_replication(session, checkpoint, self.r)
 
     async def commit_failed(self, session: AsyncSession, job: Job, error: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 
 from tests.support.agent import write_checkpoint
 from tests.support.processes import ServeProcess, cli, free_port, write_config
-from tests.support.seaweed import SeaweedServer, overwrite_object
+from tests.support.seaweed import SeaweedServer, boto3_client, overwrite_object
 
 pytestmark = pytest.mark.e2e
 
@@ -39,9 +40,9 @@ def sha256_object(s3_client: Any, bucket: str, key: str) -> str:
     return digest.hexdigest()
 
 
-def open_uploads(s3_client: Any, bucket: str) -> list[str]:
+def open_uploads(s3_client: Any, bucket: str, prefix: str = "e2e/") -> list[str]:
     """Keys with a multipart upload still open under the test's prefix."""
-    answer = s3_client.list_multipart_uploads(Bucket=bucket, Prefix="e2e/")
+    answer = s3_client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
     return sorted(u["Key"] for u in answer.get("Uploads", []))
 
 
@@ -175,6 +176,51 @@ def test_kill9_mid_upload_loses_nothing(
             lambda a: a["state"] == "durable" and a["replicas"][0]["state"] == "committed",
         )
         assert sha256_object(s3_client, s3_bucket, bad_key) == sha256_file(ckpt / "empty.txt")
+
+
+def test_kill9_mid_replication_leaves_no_open_upload(
+    agent_config: tuple[Path, int, Path],
+    tmp_path: Path,
+    seaweed_west: SeaweedServer,
+) -> None:
+    """A replicate job killed mid-copy leaves a multipart upload open in the
+    target region; its retry aborts it, then copies, and nothing is lost."""
+    config, port, ssd = agent_config
+    west_bucket = seaweed_west.create_bucket(f"west-{uuid.uuid4().hex[:12]}")
+    west = boto3_client(seaweed_west.endpoint_url)
+    text = config.read_text()
+    # West is filled by a replicate job (no upload from T0 into it), which
+    # streams between the two servers in 5 MiB parts, one at a time.
+    text = text.replace("[upload]\n", "[upload]\nfan_out = false\n", 1)
+    text += (
+        '\n[[regions]]\nname = "west"\nkind = "s3"\n'
+        f'endpoint_url = "{seaweed_west.endpoint_url}"\nbucket = "{west_bucket}"\n'
+        'prefix = "e2e"\naccess_key_id = "tierckpt"\nsecret_access_key = "tierckpt-secret"\n'
+    )
+    config.write_text(text)
+    ckpt = write_checkpoint(ssd / "run" / "step-7", {"weights.bin": 110 << 20, "m.json": b"{}"})
+    key = "e2e/rep/step-000000000007/rank-00000/weights.bin"
+    agent = ServeProcess(config, port, tmp_path / "serve.log")
+    with agent.start():
+        assert cli("register", "rep", "7", str(ckpt), server=agent.url).returncode == 0
+        deadline = time.monotonic() + 120
+        while not open_uploads(west, west_bucket) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        agent.kill()
+    assert open_uploads(west, west_bucket) == [key], "the kill must land mid-replication"
+
+    with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
+        done = wait_for(
+            f"{again.url}/v1/runs/rep/checkpoints/7",
+            lambda a: a["state"] in ("replicated", "failed"),
+            timeout=180,
+        )
+        assert done["state"] == "replicated", done
+        replicate = [j for j in done["jobs"] if j["kind"] == "replicate"]
+        assert replicate and replicate[0]["attempts"] >= 2  # redone after the kill
+        assert open_uploads(west, west_bucket) == []
+        assert sha256_object(west, west_bucket, key) == sha256_file(ckpt / "weights.bin")
 
 
 def test_sigterm_releases_work_and_cli_exit_codes(

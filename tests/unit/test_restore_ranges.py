@@ -10,6 +10,9 @@ exactly as in a real restore (the fake API tests use httpx.MockTransport).
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
+import fcntl
 import hashlib
 import http.server
 import os
@@ -328,3 +331,100 @@ def test_writeback_is_started_per_range_and_is_only_a_hint(tmp_path: Path) -> No
     # A closed descriptor: the call fails, nothing is raised (fsync decides).
     assert download.start_writeback(fd, 0, RANGE) is False
     assert download.start_writeback(fd, 0, 0) is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux's")
+def test_files_are_preallocated_and_a_full_disk_says_so_up_front(tmp_path: Path, monkeypatch):
+    target = tmp_path / "f.bin"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT)
+    try:
+        assert download.preallocate(fd, 10 * RANGE) is True
+        assert os.fstat(fd).st_size == 10 * RANGE
+        assert os.fstat(fd).st_blocks * 512 >= 10 * RANGE  # reserved, not sparse
+        assert download.preallocate(fd, 0) is False
+
+        def failing(code: int):  # type: ignore[no-untyped-def]
+            def fallocate(*args: object) -> int:
+                ctypes.set_errno(code)
+                return -1
+
+            return fallocate
+
+        monkeypatch.setattr(download, "_FALLOCATE", failing(errno.EOPNOTSUPP))
+        assert download.preallocate(fd, RANGE) is False  # only slower
+        monkeypatch.setattr(download, "_FALLOCATE", failing(errno.ENOSPC))
+        with pytest.raises(OSError) as raised:
+            download.preallocate(fd, RANGE)
+        assert raised.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+async def test_no_space_at_preallocation_is_a_clean_error(server, tmp_path, direct, monkeypatch):
+    def fallocate(*args: object) -> int:
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(download, "_FALLOCATE", fallocate)
+    dest = tmp_path / "dest"
+    with pytest.raises(RestoreError) as raised:
+        await restore(server.plan(["east", "west"], {"a.bin": blob(3 * RANGE, 6)}), dest, direct)
+    assert raised.value.code == "no_space"
+    assert "no space left on the device" in str(raised.value)
+    assert nothing_left(tmp_path, dest)
+    assert server.requests == []  # refused before a byte was downloaded
+
+
+def _o_direct_works(directory: Path) -> bool:
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        os.close(os.open(directory / ".probe", os.O_WRONLY | os.O_CREAT | flag, 0o644))
+    except OSError:
+        return False
+    finally:
+        (directory / ".probe").unlink(missing_ok=True)
+    return True
+
+
+async def test_ranges_bypass_the_page_cache_where_the_filesystem_allows(
+    server, tmp_path, direct, monkeypatch
+):
+    """Odd sizes (padded last pages, cut back) land byte-exact through
+    O_DIRECT; where open refuses O_DIRECT (EINVAL) the same restore is
+    buffered; a range size that is not a page multiple is never unbuffered."""
+    files = odd_files()
+    modes: list[bool] = []
+    original = download._Sink.open
+
+    def open_and_note(self: download._Sink) -> None:
+        original(self)
+        modes.append(self.unbuffered)
+        if self.unbuffered:
+            assert fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT
+
+    monkeypatch.setattr(download._Sink, "open", open_and_note)
+    await restore(server.plan(["east"], files), tmp_path / "a", direct)
+    assert tree(tmp_path / "a") == files
+    assert set(modes) == {_o_direct_works(tmp_path)}
+
+    modes.clear()
+    real_open = os.open
+
+    def refusing(path: object, flags: int, *args: object) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(download.os, "open", refusing)
+    await restore(server.plan(["east"], files), tmp_path / "b", direct)
+    assert tree(tmp_path / "b") == files
+    assert set(modes) == {False}
+    monkeypatch.setattr(download.os, "open", real_open)
+
+    modes.clear()
+    unaligned = TransferOptions(range_size=4000, concurrency=3, window=5, retries=1)
+    await restore(server.plan(["east"], files), tmp_path / "c", direct, unaligned)
+    assert tree(tmp_path / "c") == files
+    assert set(modes) == {False}
