@@ -255,6 +255,9 @@ class DirectRanges:
         self._refused: set[tuple[str, str, int]] = set()
         self._proxies = urllib.request.getproxies_environment()
         self._unproxied: dict[tuple[str, str, int], bool] = {}
+        # Parsed once per URL (None: not one this reader sends), not once
+        # per range in accepts() and again in get_into().
+        self._targets: dict[str, _Target | None] = {}
 
     async def __aenter__(self) -> DirectRanges:
         return self
@@ -271,9 +274,8 @@ class DirectRanges:
     def accepts(self, url: str) -> bool:
         """An absolute http(s) URL, not behind a proxy, of a host that has
         not answered in a way this reader does not handle."""
-        try:
-            target = _target(url)
-        except Unsupported:
+        target = self._target_of(url)
+        if target is None:
             return False
         key = self._key(target)
         if key in self._refused:
@@ -288,7 +290,9 @@ class DirectRanges:
 
     def refuse(self, url: str) -> None:
         """Send this URL's host through httpx from now on."""
-        self._refused.add(self._key(_target(url)))
+        target = self._target_of(url)
+        if target is not None:
+            self._refused.add(self._key(target))
 
     async def get_into(
         self,
@@ -302,7 +306,9 @@ class DirectRanges:
         """Fill ``buffer[: end - start]`` with bytes ``start`` to ``end`` of
         the ``size``-byte object at ``url``. Raises :class:`SourceError` (the
         answer or the network failed) or :class:`Unsupported`."""
-        target = _target(url)
+        target = self._target_of(url)
+        if target is None:
+            raise Unsupported(f"not a URL this reader sends: {describe_url(url)}")
         request = self._request(target, headers, start, end)
         body = memoryview(buffer)[: end - start]
         try:
@@ -338,6 +344,14 @@ class DirectRanges:
             connection.abandon()
 
     # -- internals ---------------------------------------------------------------
+
+    def _target_of(self, url: str) -> _Target | None:
+        if url not in self._targets:
+            try:
+                self._targets[url] = _target(url)
+            except Unsupported:
+                self._targets[url] = None
+        return self._targets[url]
 
     @staticmethod
     def _key(target: _Target) -> tuple[str, str, int]:
