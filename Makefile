@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser slurm demo serve test test-unit chaos lint migrate bench clean
+.PHONY: install browser slurm demo serve test test-unit chaos lint migrate bench docs clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,7 @@ slurm:
 	fi
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/python -m examples.demo
 
 serve: $(STAMP)
 	$(BIN)/tierckpt serve $(if $(CONFIG),--config $(CONFIG))
@@ -68,15 +68,19 @@ chaos: $(STAMP)
 	  -o timeout=$$(( $(CHAOS_SECONDS) + 900 )) tests/e2e/test_chaos.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check service client migrations tests benchmarks examples
-	$(BIN)/ruff format --check service client migrations tests benchmarks examples
-	$(BIN)/mypy service client
+	$(BIN)/ruff check service client migrations devsupport tests benchmarks examples
+	$(BIN)/ruff format --check service client migrations devsupport tests benchmarks examples
+	$(BIN)/mypy service client devsupport benchmarks examples
 
 migrate: $(STAMP)
 	$(BIN)/tierckpt migrate $(if $(CONFIG),--config $(CONFIG))
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(if $(QUICK),--quick)
+
+# docs/configuration.md is generated from service/config.py (a test checks it is current).
+docs: $(STAMP)
+	$(BIN)/python -m tierckpt.service.config_reference > docs/configuration.md
 
 clean:
 	rm -rf $(VENV) .tierckpt .pytest_cache build *.egg-info

@@ -1,13 +1,23 @@
-"""Package discovery for the remapped layout.
+"""Package list for the remapped layout.
 
-The repository keeps DESIGN.md's top-level folders (service/, client/,
-migrations/) while the distribution imports them as tierckpt.service,
-tierckpt.client and tierckpt.migrations; `tierckpt` itself is a namespace.
+The repository keeps its top-level folders (service/, client/, migrations/)
+while the distribution imports them as tierckpt.service, tierckpt.client and
+tierckpt.migrations; `tierckpt` itself is a namespace. pyproject.toml holds
+the rest of the configuration; only the package list is computed here,
+because pyproject.toml cannot derive it from remapped folders and a
+hand-written list would silently leave out the next new subpackage.
+
+Every folder holding a module is a package, with or without an __init__.py
+(migrations/versions/ has none: Alembic loads its files by path).
 """
 
+import warnings
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.warnings import InformationOnly
+
+HERE = Path(__file__).resolve().parent
 
 ROOTS = {
     "tierckpt.service": "service",
@@ -15,14 +25,25 @@ ROOTS = {
     "tierckpt.migrations": "migrations",
 }
 
-packages: list[str] = []
-for package, folder in ROOTS.items():
-    for init in sorted(Path(folder).rglob("__init__.py")):
-        relative = init.parent.relative_to(folder)
-        packages.append(".".join([package, *relative.parts]))
+
+def packages_under(package: str, folder: str) -> list[str]:
+    found = []
+    for directory in sorted({path.parent for path in (HERE / folder).rglob("*.py")}):
+        relative = directory.relative_to(HERE / folder).parts
+        if any(part == "__pycache__" or part.startswith(".") for part in relative):
+            continue
+        found.append(".".join([package, *relative]))
+    return found
+
+
+# An editable install of remapped folders goes through setuptools' import hook,
+# and setuptools then always adds a note (as a warning, for want of another
+# channel) that a folder named like the package in the working directory would
+# shadow the install. No folder here is named `tierckpt`, so the note does not
+# apply; it is silenced only while that holds.
+if not (HERE / "tierckpt").exists():
+    warnings.filterwarnings("ignore", message="Editable installation", category=InformationOnly)
 
 setup(
-    packages=packages,
-    package_dir=ROOTS,
-    package_data={"tierckpt.migrations": ["script.py.mako", "versions/*.py"]},
+    packages=[name for package, folder in ROOTS.items() for name in packages_under(package, folder)]
 )

@@ -19,14 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from devsupport.processes import ServeProcess, free_port, write_config
+from devsupport.seaweed import SeaweedServer, boto3_client
+
+from .data import Dataset, make_dataset
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # the SeaweedFS and `serve` launchers live with the tests
-
-from tests.support.processes import ServeProcess, free_port, write_config  # noqa: E402
-from tests.support.seaweed import SeaweedServer, boto3_client  # noqa: E402
-
-from .data import Dataset, make_dataset  # noqa: E402
 
 BUCKET = "bench"
 REGION_PREFIX = "tierckpt"  # the agent's objects: bench/tierckpt/{run}/step-…/
@@ -89,7 +87,7 @@ class BenchContext:
 
     def s3(self, **config: Any) -> Any:
         """A boto3 client configured as a user of a third-party store would
-        (tests.support.seaweed.boto3_client: CRC checksums only when required)."""
+        (devsupport.seaweed.boto3_client: CRC checksums only when required)."""
         return boto3_client(self.seaweed.endpoint_url, **config)
 
     def start_agent(
@@ -132,6 +130,19 @@ class BenchContext:
             self._agents.remove(agent)
 
 
+def s3_region(name: str, seaweed: SeaweedServer, prefix: str = REGION_PREFIX) -> dict[str, Any]:
+    """A region entry of the agent's config: `BUCKET` on `seaweed`, under `prefix`."""
+    return {
+        "name": name,
+        "kind": "s3",
+        "endpoint_url": seaweed.endpoint_url,
+        "bucket": BUCKET,
+        "prefix": prefix,
+        "access_key_id": "tierckpt",
+        "secret_access_key": "tierckpt-secret",
+    }
+
+
 def agent_settings(work: Path, ssd: Path, seaweed: SeaweedServer, name: str) -> dict[str, Any]:
     """The agent's configuration: service defaults except where noted."""
     return {
@@ -144,17 +155,10 @@ def agent_settings(work: Path, ssd: Path, seaweed: SeaweedServer, name: str) -> 
         # server-side instead of uploading; they measure the pipeline on new
         # bytes. The `dedup` scenario starts its own agents with it on.
         "upload": {"dedup": False},
-        "regions": [
-            {
-                "name": "bench-east",
-                "kind": "s3",
-                "endpoint_url": seaweed.endpoint_url,
-                "bucket": BUCKET,
-                "prefix": REGION_PREFIX,
-                "access_key_id": "tierckpt",
-                "secret_access_key": "tierckpt-secret",
-            }
-        ],
+        # No drain on SIGTERM: a scenario's agent stops at once and gives
+        # back what is left, so each scenario starts from a quiet agent.
+        "worker": {"drain_seconds": 0},
+        "regions": [s3_region("bench-east", seaweed)],
     }
 
 

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate_as_exit)
     began = time.monotonic()
-    from tests.support.seaweed import find_weed
+    from devsupport.seaweed import find_weed
 
     report: dict[str, Any] = {
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),

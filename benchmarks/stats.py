@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 MB = 1_000_000  # throughput figures are in MB/s (10^6 bytes)
@@ -68,3 +68,34 @@ def row(
     if ratio_label is not None and ratio_values is not None:
         out["ratio"] = {"label": ratio_label, "summary": summary(ratio_values)}
     return out
+
+
+def compared_rows(
+    metric: str,
+    unit: str,
+    values: Mapping[str, Sequence[float]],
+    notes: Mapping[str, str],
+    *,
+    default_note: str = "",
+    reference: str = "tierckpt",
+) -> list[dict[str, Any]]:
+    """One row per variant, in `values`' order; each variant but `reference`
+    also gets the paired ratio `reference / this`."""
+    rows = []
+    for name, mine in values.items():
+        note = notes.get(name, default_note)
+        if name == reference:
+            rows.append(row(name, metric, unit, mine, note=note))
+            continue
+        rows.append(
+            row(
+                name,
+                metric,
+                unit,
+                mine,
+                ratio_label=f"{reference} / this",
+                ratio_values=ratios(values[reference], mine),
+                note=note,
+            )
+        )
+    return rows

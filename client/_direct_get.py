@@ -8,10 +8,9 @@ that much HTTP/1.1 over an :class:`asyncio.BufferedProtocol`, whose
 ``recv_into`` per read, no intermediate ``bytes``, no per-read event-loop
 round trip through anyio, httpcore and h11.
 
-Measured side by side on the benchmark's 1 GB checkpoint (SeaweedFS, same
-machine, fsync and SHA-256 included): the restore's client CPU went from
-2.5 to 1.2 s/GB, and its throughput from 1.1x to 1.9x boto3's
-``download_file`` (median of 6 interleaved repetitions).
+That removes most of the client CPU a restore spends per byte received
+(the benchmark's restore scenario compares it with boto3's
+``download_file``).
 
 What it does not understand (chunked framing, a 2xx without
 Content-Length, an URL it cannot send as is) raises :class:`Unsupported`;
@@ -29,14 +28,9 @@ from typing import cast
 import httpx
 
 from ._api import USER_AGENT
-from ._download import (
-    RangeBuffer,
-    SourceError,
-    Unsupported,
-    check_range_response,
-    describe_url,
-    ssl_context,
-)
+from ._download import SourceError, Unsupported, check_range_response, describe_url
+from ._download_transport import ssl_context
+from ._range_writes import RangeBuffer
 
 # A response head bigger than this is not an object store's answer.
 MAX_HEAD = 64 * 1024

@@ -1,53 +1,46 @@
 """Parallel ranged download of a set of files, SHA-256 verified on the fly.
 
 Each file is split into fixed-size ranges fetched concurrently and written in
-place with ``os.pwrite``. The hash is fed in file order from the ranges still
-in memory (a bounded reorder window), so the data is never read back from
-disk, and memory stays at ``window x range_size`` whatever the file sizes.
+place (:mod:`._range_writes`). The hash is fed in file order from the ranges
+still in memory (a bounded reorder window), so the data is never read back
+from disk, and memory stays at ``window x range_size`` whatever the file
+sizes. Hashing and file writes run in worker threads; the event-loop thread
+only moves bytes.
 
-Where the time goes (py-spy and /proc CPU, SeaweedFS on 2 shared cores):
-with httpx's defaults, receiving the bytes cost ~2.3-3 s of CPU per GB, 4x a
-bare asyncio socket: httpcore asks for 64 KiB per read and anyio re-arms the
-socket (two epoll_ctl calls and an event-loop round trip) for every read.
-:func:`download_transport` asks for 1 MiB (anyio then returns a whole recv,
-~230 KiB: 4x fewer reads, ~-25 % CPU), and answers httpcore's "is this idle
-connection still open?" check before each request with one poll() instead of
-rebuilding anyio's socket attributes. Range buffers are reused
-(:class:`_Buffers`). What is left: SHA-256 (~1.1 s/GB, worker threads) and
-httpx/h11 themselves, ~1 ms of CPU per request and ~2 s/GB, all in the one
-event-loop thread. The same pipeline with aiohttp's GET in place of httpx's
-measured 2.6 s/GB for the whole restore instead of 5.3.
-
-So the clients' restores read presigned URLs with ``_direct_get`` (the body
-received straight into the range buffer, ~1.2-1.9 s/GB for the whole
-restore); httpx with :func:`download_transport` remains the path for the
-service's own object endpoint, proxies, a transport the caller passed in,
-and answers the direct reader does not handle.
+Ranges are read through a :class:`RangeReader` where it accepts the URL
+(``_direct_get``: presigned URLs, the body received straight into the range
+buffer), else through the given httpx client (the service's own object
+endpoint, proxies, a transport the caller passed in, answers the direct
+reader does not handle).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import errno
 import functools
 import hashlib
 import logging
-import mmap
 import os
 import re
-import select
-import socket
-import ssl
-import sys
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
-import httpcore
 import httpx
+
+from ._files import fsync_close
+from ._range_writes import (
+    ALIGNMENT,
+    Buffer,
+    RangeBuffer,
+    RangeBuffers,
+    open_target,
+    preallocate,
+    write_range,
+    write_unbuffered,
+)
 
 log = logging.getLogger("tierckpt.client.download")
 
@@ -114,229 +107,6 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
-# Bytes asked of the socket per read; httpcore asks for 64 KiB. anyio hands
-# back at most what one recv got (asyncio reads up to 256 KiB), so this only
-# removes the split of bigger reads and the re-arm per 64 KiB.
-READ_SIZE = 1 * MiB
-
-
-def _socket_readable(sock: socket.socket | None) -> bool:
-    """httpcore's test of an idle connection: readable means the server
-    closed it (or sent junk), so it must not be reused."""
-    fd = -1 if sock is None else sock.fileno()
-    if fd < 0:
-        return True
-    poll = select.poll()
-    poll.register(fd, select.POLLIN)
-    return bool(poll.poll(0))
-
-
-class _BigReadStream(httpcore.AsyncNetworkStream):
-    def __init__(self, inner: httpcore.AsyncNetworkStream):
-        self._inner = inner
-        self._socket: socket.socket | None = None
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return await self._inner.read(max(max_bytes, READ_SIZE), timeout)
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        await self._inner.write(buffer, timeout)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    async def start_tls(
-        self,
-        ssl_context: ssl.SSLContext,
-        server_hostname: str | None = None,
-        timeout: float | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        tls = await self._inner.start_tls(ssl_context, server_hostname, timeout)
-        return _BigReadStream(tls)
-
-    def get_extra_info(self, info: str) -> Any:
-        if info == "is_readable" and hasattr(select, "poll"):
-            # Asked of every idle connection before each request; anyio
-            # answers by rebuilding all socket attributes (getpeername...).
-            if self._socket is None:
-                self._socket = self._inner.get_extra_info("socket")
-            return _socket_readable(self._socket)
-        return self._inner.get_extra_info(info)
-
-
-class _BigReadBackend(httpcore.AsyncNetworkBackend):
-    def __init__(self, inner: httpcore.AsyncNetworkBackend):
-        self._inner = inner
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        stream = await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _BigReadStream(stream)
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        stream = await self._inner.connect_unix_socket(path, timeout, socket_options)
-        return _BigReadStream(stream)
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
-
-
-@functools.cache
-def ssl_context() -> ssl.SSLContext:
-    # httpx builds one per client (~30 ms of CPU); downloads share this one,
-    # made the way httpx makes its default (certifi, SSL_CERT_FILE/DIR).
-    return httpx.create_ssl_context()
-
-
-class _DownloadTransport(httpx.AsyncHTTPTransport):
-    """httpx's transport (request/response mapping, errors, proxies from the
-    client) over a connection pool that reads big chunks and keeps one
-    connection per concurrent range."""
-
-    def __init__(self, connections: int):
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        super().__init__(verify=ssl_context(), limits=limits)
-        if isinstance(getattr(self, "_pool", None), httpcore.AsyncConnectionPool):
-            self._pool = httpcore.AsyncConnectionPool(
-                ssl_context=ssl_context(),
-                max_connections=limits.max_connections,
-                max_keepalive_connections=limits.max_keepalive_connections,
-                keepalive_expiry=limits.keepalive_expiry,
-                network_backend=_BigReadBackend(httpcore.AnyIOBackend()),
-            )
-        # else: an httpx without that attribute keeps its own pool: slower, same bytes.
-
-
-def download_transport(options: TransferOptions) -> httpx.AsyncBaseTransport:
-    """The transport restore downloads use when the caller gave none."""
-    return _DownloadTransport(options.concurrency)
-
-
-Buffer = bytes | bytearray | memoryview
-
-
-def _pwrite_all(fd: int, data: Buffer, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
-        offset += written
-
-
-def _libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
-    """A libc function (Linux), or None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = argtypes
-    function.restype = ctypes.c_int
-    return function  # type: ignore[no-any-return]
-
-
-_SYNC_FILE_RANGE = _libc(
-    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-)
-SYNC_FILE_RANGE_WRITE = 2
-# fallocate(2), not posix_fallocate(3): where the filesystem cannot
-# preallocate, glibc's posix_fallocate writes zeros over the whole file.
-_FALLOCATE = _libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
-
-
-def preallocate(fd: int, size: int) -> bool:
-    """Reserve the file's blocks up front, in one extent where the filesystem can.
-
-    Ranges land out of order and are written back as they arrive
-    (:func:`start_writeback`), so without this ext4 allocated blocks range by
-    range at writeback, in the restoring process: after the benchmark's
-    upload scenario had filled the disk's history, that cost 1.1 s of system
-    CPU per GB and the restore fell to 0.99x boto3's (plain) download_file;
-    preallocated, 0.4 s and 1.41x (5 interleaved repetitions). A full disk
-    answers here, before a byte is downloaded (ENOSPC is raised); a
-    filesystem that cannot preallocate is only slower (False)."""
-    if _FALLOCATE is None or size <= 0:
-        return False
-    if _FALLOCATE(fd, 0, 0, size) == 0:
-        return True
-    error = ctypes.get_errno()
-    if error in (errno.ENOSPC, errno.EDQUOT):
-        raise OSError(error, os.strerror(error))
-    return False  # EOPNOTSUPP, ENOSYS, EINVAL...
-
-
-def start_writeback(fd: int, offset: int, length: int) -> bool:
-    """Ask the kernel to start writing ``length`` bytes at ``offset`` to disk
-    now, without waiting and without dropping them from the page cache.
-
-    A restore ends with an fsync of every file. Left alone, the kernel starts
-    writing dirty pages only after ~30 s or once 10 % of memory is dirty, so
-    a 1 GB restore wrote nothing until that fsync and then waited for the
-    whole gigabyte (~3.5 s on this disk) after the last byte had arrived.
-    Started per range, the writes overlap the download and the fsync finds
-    little left. Only a hint: the fsync is still what makes the file durable,
-    so a failure here is ignored (False)."""
-    if _SYNC_FILE_RANGE is None or length <= 0:
-        return False
-    return _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE) == 0
-
-
-def _write_range(fd: int, data: Buffer, offset: int) -> None:
-    _pwrite_all(fd, data, offset)
-    start_writeback(fd, offset, len(data))
-
-
-# O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's
-# logical block; a page covers every device this runs on.
-ALIGNMENT = mmap.PAGESIZE
-RangeBuffer = bytearray | mmap.mmap
-
-
-def _write_unbuffered(fd: int, buffer: RangeBuffer, length: int, offset: int, size: int) -> None:
-    """Write ``buffer[:length]`` at ``offset`` of a file opened with O_DIRECT.
-
-    Every range but a file's last is a whole number of pages; the last is
-    written padded to the next page (the buffer is a range long, a page
-    multiple) and the file cut back to ``size``, its true length."""
-    padded = -(-length // ALIGNMENT) * ALIGNMENT
-    _pwrite_all(fd, memoryview(buffer)[:padded], offset)
-    if padded != length:
-        os.ftruncate(fd, size)
-
-
-def _open_target(target: Path, unbuffered: bool = False) -> tuple[int, bool]:
-    """The file's descriptor, and whether it bypasses the page cache."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
-    direct_flag = getattr(os, "O_DIRECT", 0)
-    if unbuffered and direct_flag:
-        try:
-            return os.open(target, flags | direct_flag, 0o644), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # a filesystem without O_DIRECT
-                raise
-    return os.open(target, flags, 0o644), False
-
-
-def _fsync_close(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def describe_url(url: str) -> str:
     # Presigned URLs carry credentials in the query; never put them in messages.
     parts = urlsplit(url)
@@ -364,15 +134,15 @@ class _Sink:
         # Runs in a worker thread and records the descriptor itself, so it is
         # closed by close() even if the awaiting task was cancelled meanwhile.
         aligned = self.range_size % ALIGNMENT == 0
-        self.fd, self.unbuffered = _open_target(self.job.target, unbuffered=aligned)
+        self.fd, self.unbuffered = open_target(self.job.target, unbuffered=aligned)
         preallocate(self.fd, self.job.size)
 
     def write(self, buffer: RangeBuffer, start: int, end: int) -> None:
         """Write one range (in a worker thread)."""
         if self.unbuffered:
-            _write_unbuffered(self.fd, buffer, end - start, start, self.job.size)
+            write_unbuffered(self.fd, buffer, end - start, start, self.job.size)
         else:
-            _write_range(self.fd, memoryview(buffer)[: end - start], start)
+            write_range(self.fd, memoryview(buffer)[: end - start], start)
 
     def bounds(self, index: int) -> tuple[int, int]:
         start = index * self.range_size
@@ -401,7 +171,7 @@ class _Sink:
                 f"SHA-256 mismatch for {self.job.label}: expected {self.job.sha256}, got {digest}"
             )
         fd, self.fd = self.fd, -1
-        await in_thread(_fsync_close, fd)
+        await in_thread(fsync_close, fd)
         self._on_verified(self.job)
 
     def close(self) -> None:
@@ -418,32 +188,6 @@ async def _body(response: httpx.Response) -> AsyncIterator[bytes]:
     # Raw: no decoder or re-chunking layer per piece (identity, checked above).
     async for piece in response.aiter_raw():
         yield piece
-
-
-class _Buffers:
-    """Range buffers, reused: a fresh 8 MiB bytearray per range costs its
-    zero-filling and ~2000 page faults, more CPU than copying the data in
-    (py-spy: ~10 % of the restore's samples, ~3 % after). At most ``window``
-    exist at once: the window semaphore bounds them. Anonymous mmaps, so
-    they are page-aligned, as O_DIRECT writes need.
-
-    Why O_DIRECT (where the filesystem has it): a buffered write copies every
-    byte into page-cache pages, and on this VM fresh pages are slow to touch
-    (perf: 64 % of a first restore's samples in copy_folio_from_iter_atomic,
-    3 s of system CPU per GB). Written straight from these reused buffers,
-    the first restore of a process went from 339 to 791 MB/s and one after
-    boto3 had churned the page cache from 555 to 807 MB/s; system CPU
-    0.35 s/GB. The fsync at the end still makes each file durable."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._free: list[RangeBuffer] = []
-
-    def take(self) -> RangeBuffer:
-        return self._free.pop() if self._free else mmap.mmap(-1, self.size)
-
-    def give(self, buffer: RangeBuffer) -> None:
-        self._free.append(buffer)
 
 
 def check_range_response(
@@ -586,7 +330,7 @@ async def fetch_files(
     # Acquired in file/range order by the single producer below, so the
     # oldest unhashed range of every file always holds a slot: no deadlock.
     window = asyncio.Semaphore(options.window)
-    buffers = _Buffers(options.range_size)
+    buffers = RangeBuffers(options.range_size)
     sinks: list[_Sink] = []
 
     def released(buffer: RangeBuffer) -> None:

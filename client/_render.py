@@ -91,6 +91,16 @@ def checkpoints_table(checkpoints: list[Checkpoint], title: str | None = None) -
     return table
 
 
+def _bare_table(columns: Iterable[str], rows: Iterable[Iterable[Any]]) -> Table:
+    """A borderless table with bold headers, for the parts of a detail view."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def checkpoint_detail(checkpoint: Checkpoint) -> Group:
     parts: list[Table | Text] = [
         checkpoints_table([checkpoint], title=f"{checkpoint.run} step {checkpoint.step}")
@@ -112,23 +122,17 @@ def checkpoint_detail(checkpoint: Checkpoint) -> Group:
         facts.add_row("error", Text(checkpoint.error, style="red"))
     parts.append(facts)
     if checkpoint.shards:
-        shards = Table(box=None, pad_edge=False, header_style="bold")
-        for column in ("rank", "node", "state", "path"):
-            shards.add_column(column)
-        for shard in checkpoint.shards:
-            shards.add_row(
-                str(shard.rank), shard.node or "-", state(shard.state), shard.path or "-"
-            )
-        parts.append(shards)
+        shards = [
+            (str(shard.rank), shard.node or "-", state(shard.state), shard.path or "-")
+            for shard in checkpoint.shards
+        ]
+        parts.append(_bare_table(("rank", "node", "state", "path"), shards))
     if checkpoint.replicas:
-        replicas = Table(box=None, pad_edge=False, header_style="bold")
-        for column in ("region", "state", "verified", "uri"):
-            replicas.add_column(column)
-        for replica in checkpoint.replicas:
-            replicas.add_row(
-                replica.region, state(replica.state), when(replica.verified_at), replica.uri or "-"
-            )
-        parts.append(replicas)
+        replicas = [
+            (replica.region, state(replica.state), when(replica.verified_at), replica.uri or "-")
+            for replica in checkpoint.replicas
+        ]
+        parts.append(_bare_table(("region", "state", "verified", "uri"), replicas))
     return Group(*parts)
 
 

@@ -1,32 +1,42 @@
-"""Asynchronous client of the tierckpt HTTP API (httpx.AsyncClient)."""
+"""Asynchronous client of the tierckpt HTTP API (httpx.AsyncClient).
+
+Same calls as :class:`CheckpointClient`, the same flows (``_core``) awaited
+on the caller's event loop. A journal is replayed by a background task.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
 import os
-import time
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import httpx
 
-from . import _api
-from . import journal as _journal
-from ._api import DEFAULT_URL, USER_AGENT, Call, FilesLike, ParentLike
-from ._download import TransferOptions, download_transport
-from .errors import NotFoundError, ServerError, error_from_transport
-from .models import Advice, Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
-from .restore import Progress, check_destination, restore_from_plan
+from . import _api, _effects
+from ._api import DEFAULT_URL, USER_AGENT
+from ._core import ClientCore, public_method
+from ._download import TransferOptions
+from ._effects import Flow
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
-log = logging.getLogger("tierckpt.client.journal")
+
+def _awaiting(
+    flow_method: Callable[Concatenate[ClientCore, P], Flow[T]],
+) -> Callable[Concatenate[AsyncCheckpointClient, P], Coroutine[Any, Any, T]]:
+    """The public coroutine method that runs ``flow_method``'s flow."""
+
+    async def method(self: AsyncCheckpointClient, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(flow_method(self, *args, **kwargs))
+
+    return public_method(flow_method, method, "AsyncCheckpointClient")
 
 
-class AsyncCheckpointClient:
+class AsyncCheckpointClient(ClientCore):
     """``async with AsyncCheckpointClient(url, token) as c: await c.latest(run)``.
 
     ``transport`` replaces the network (tests, custom TLS); ``transfer`` tunes
@@ -37,8 +47,6 @@ class AsyncCheckpointClient:
     background task (see :mod:`tierckpt.client.journal`). The task starts with
     the client when created inside a running event loop, else on first use.
     """
-
-    _restored: CheckpointRef | None = None
 
     def __init__(
         self,
@@ -51,11 +59,7 @@ class AsyncCheckpointClient:
         transfer: TransferOptions | None = None,
         journal: str | os.PathLike[str] | None = None,
     ):
-        self.base_url = base_url.rstrip("/")
-        # 429/503/connection refused are retried with backoff this many times.
-        self.retries = retries
-        self._token = token
-        self._transfer = transfer or TransferOptions()
+        super().__init__(base_url, token, timeout, retries, transfer, journal)
         # Restores download through a tuned transport unless given one.
         self._download_transport = transport
         self._http = httpx.AsyncClient(
@@ -64,12 +68,10 @@ class AsyncCheckpointClient:
             transport=transport,
             headers={"User-Agent": USER_AGENT},
         )
-        self._journal: _journal.RegistrationJournal | None = None
         self._replayer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
-        self._replayed = 0
-        if journal is not None:
-            self._journal = _journal.RegistrationJournal(journal)
+        self._settled: asyncio.Event | None = None
+        if self._journal is not None:
             try:
                 asyncio.get_running_loop()
             except RuntimeError:
@@ -81,8 +83,9 @@ class AsyncCheckpointClient:
         if self._journal is None or self._replayer is not None:
             return
         self._wake = asyncio.Event()
+        self._settled = asyncio.Event()
         self._replayer = asyncio.get_running_loop().create_task(
-            self._replay_loop(), name="tierckpt-journal"
+            _effects.drive_async(self._replay(), self._perform), name="tierckpt-journal"
         )
 
     async def __aenter__(self) -> AsyncCheckpointClient:
@@ -102,278 +105,58 @@ class AsyncCheckpointClient:
         (the next client on the same journal replays them)."""
         if self._replayer is not None:
             self._replayer.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._replayer
-            except asyncio.CancelledError:
-                pass
             self._replayer = None
         await self._http.aclose()
 
-    async def _replay_loop(self) -> None:
-        assert self._journal is not None and self._wake is not None
-        delay = _journal.BACKOFF_START
-        while True:
-            entries = self._journal.entries()
-            if not entries:
+    register = _awaiting(ClientCore._register)
+    get = _awaiting(ClientCore._get)
+    list_checkpoints = _awaiting(ClientCore._list_checkpoints)
+    runs = _awaiting(ClientCore._runs)
+    latest = _awaiting(ClientCore._latest)
+    wait = _awaiting(ClientCore._wait)
+    verify = _awaiting(ClientCore._verify)
+    restore_plan = _awaiting(ClientCore._restore_plan)
+    restore = _awaiting(ClientCore._restore)
+    lineage = _awaiting(ClientCore._lineage)
+    advice = _awaiting(ClientCore._advice)
+    flush_journal = _awaiting(ClientCore._flush_journal)
+
+    async def _run(self, flow: Flow[T]) -> T:
+        """Run one of the flows of :class:`ClientCore` on this client."""
+        self._start_replayer()
+        return await _effects.drive_async(flow, self._perform)
+
+    async def _perform(self, request: _effects.Effect) -> Any:
+        match request:
+            case _effects.Http(call):
+                return await self._http.request(**_api.request_args(call, self._token))
+            case _effects.Sleep(seconds):
+                await asyncio.sleep(seconds)
+            case _effects.Download() as download:
+                given = self._http if self._download_transport is not None else None
+                return await self._download(download, given)
+            case _effects.ReplayTurn():
+                return True  # aclose() cancels the replayer instead
+            case _effects.ReplayIdle():
+                assert self._wake is not None
                 await self._wake.wait()
                 self._wake.clear()
-                continue
-            entry_id, body = entries[0]
-            call = _api.Call("POST", "/v1/checkpoints", dict, body=body)
-            response: httpx.Response | None
-            try:
-                response = await self._http.request(**_api.request_args(call, self._token))
-            except Exception:  # the service is down
-                response = None
-            outcome = _journal.replay_outcome(response)
-            if outcome == "retry":
-                await asyncio.sleep(delay)
-                delay = _journal.next_backoff(delay)
-                continue
-            delay = _journal.BACKOFF_START
-            if outcome == "drop":
-                assert response is not None
-                log.warning(
-                    "dropping journaled registration of %s: the service refused it (%s)",
-                    _journal.describe(body),
-                    _api.error_from_response(response),
-                )
-            self._journal.mark_done(entry_id)
-            if outcome == "done":
-                self._replayed += 1
-
-    async def flush_journal(self, timeout: float | None = None) -> int:
-        """Wait until every journaled registration reached the service;
-        returns how many were replayed (accepted) since the last flush.
-        Refused ones (4xx) are dropped with a warning and not counted.
-        Raises TimeoutError after ``timeout`` seconds."""
-        if self._journal is None:
-            return 0
-        self._start_replayer()
-        deadline = _api.wait_deadline(timeout)
-        while len(self._journal):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"{len(self._journal)} journaled registrations still pending after {timeout} s"
-                )
-            await asyncio.sleep(0.05)
-        replayed, self._replayed = self._replayed, 0
-        return replayed
-
-    async def _send(self, call: Call[T]) -> T:
-        attempt = 0
-        while True:
-            try:
-                response = await self._http.request(**_api.request_args(call, self._token))
-            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
-                delay = _api.retry_after(None, attempt, self.retries)
-                if delay is None:
-                    raise error_from_transport(exc, self.base_url) from exc
-            except httpx.RequestError as exc:
-                raise error_from_transport(exc, self.base_url) from exc
-            else:
-                delay = _api.retry_after(response, attempt, self.retries)
-                if delay is None:
-                    return _api.parse_response(call, response)
-            attempt += 1
-            await asyncio.sleep(delay)
-
-    async def register(
-        self,
-        run: str,
-        step: int,
-        path: str | os.PathLike[str],
-        rank: int = 0,
-        world_size: int = 1,
-        metrics: Mapping[str, float] | None = None,
-        parent: ParentLike | _api._AutoParent = _api.AUTO_PARENT,
-        priority: str = "normal",
-        epoch: int | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        files: FilesLike = None,
-        write_seconds: float | None = None,
-    ) -> Checkpoint:
-        """Register a checkpoint written at ``path``; returns at once (202).
-
-        ``parent`` defaults to the checkpoint this client restored last (then
-        forgotten); pass None for no parent.
-
-        With a ``journal``, an unreachable service (no answer, timeout, 503)
-        does not raise: the registration is journaled and the returned
-        Checkpoint has ``state="pending_registration"`` until the background
-        replay registers it (``flush_journal`` waits for that). A 4xx still
-        raises at once."""
-        if isinstance(parent, _api._AutoParent):
-            parent, self._restored = self._restored, None
-        call = _api.register(
-            run,
-            step,
-            path,
-            rank=rank,
-            world_size=world_size,
-            metrics=metrics,
-            parent=parent,
-            priority=priority,
-            epoch=epoch,
-            metadata=metadata,
-            files=files,
-            write_seconds=write_seconds,
-        )
-        if self._journal is None:
-            return await self._send(call)
-        self._start_replayer()
-        try:
-            return await self._send(call)
-        except ServerError as exc:
-            if not _journal.should_journal(exc):
-                raise
-            self._journal.append(call.body)
-            assert self._wake is not None
-            self._wake.set()
-            log.warning(
-                "journaled registration of %s: %s", _journal.describe(call.body), exc.message
-            )
-            return _journal.pending_checkpoint(call.body)
-
-    async def get(self, run: str, step: int) -> Checkpoint:
-        return await self._send(_api.get(run, step))
-
-    async def list_checkpoints(
-        self,
-        run: str,
-        state: str | None = None,
-        min_step: int | None = None,
-        max_step: int | None = None,
-        limit: int | None = None,
-        offset: int | None = None,
-    ) -> list[Checkpoint]:
-        """Checkpoints of ``run``, newest step first, without their file lists."""
-        call = _api.list_checkpoints(
-            run, state=state, min_step=min_step, max_step=max_step, limit=limit, offset=offset
-        )
-        return await self._send(call)
-
-    async def runs(self, limit: int | None = None, offset: int | None = None) -> list[RunSummary]:
-        return await self._send(_api.runs(limit=limit, offset=offset))
-
-    async def latest(
-        self, run: str, region: str | None = None, node: str | None = None
-    ) -> Checkpoint | None:
-        """The latest valid checkpoint of ``run`` with its locations, or None."""
-        return await self._send(_api.latest(run, region=region, node=node))
-
-    async def wait(
-        self,
-        run: str,
-        step: int,
-        state: str = "durable",
-        timeout: float | None = None,
-        poll_interval: float = 0.2,
-    ) -> Checkpoint:
-        """Poll until the checkpoint reaches at least ``state``.
-
-        Raises CheckpointFailedError if it ends failed/corrupt/deleted and
-        TimeoutError after ``timeout`` seconds.
-        """
-        target = _api.check_wait_target(state)
-        deadline = _api.wait_deadline(timeout)
-        while True:
-            checkpoint = await self.get(run, step)
-            if _api.wait_reached(checkpoint, target):
-                return checkpoint
-            delay = _api.next_poll_delay(deadline, poll_interval)
-            if delay is None:
-                raise _api.wait_timeout_error(run, step, state, checkpoint, timeout)
-            await asyncio.sleep(delay)
-
-    async def verify(
-        self, run: str, step: int, timeout: float | None = None, poll_interval: float = 0.2
-    ) -> Checkpoint:
-        """Re-read and re-hash every region's copy; returns once the
-        verification jobs have finished, with the per-region outcome."""
-        await self._send(_api.verify(run, step))
-        deadline = _api.wait_deadline(timeout)
-        while True:
-            checkpoint = await self.get(run, step)
-            if not checkpoint.verifying:
-                return checkpoint
-            delay = _api.next_poll_delay(deadline, poll_interval)
-            if delay is None:
-                raise TimeoutError(f"verification of {run}:{step} still running after {timeout} s")
-            await asyncio.sleep(delay)
-
-    async def restore_plan(
-        self, run: str, step: int | None = None, region: str | None = None, rank: int | None = None
-    ) -> RestorePlan:
-        """Where each file of a checkpoint can be downloaded from; ``step``
-        defaults to the latest valid checkpoint."""
-        if step is None:
-            latest = await self.latest(run, region=region)
-            if latest is None:
-                raise NotFoundError(
-                    f"run {run} has no valid checkpoint", code="no_valid_checkpoint"
-                )
-            step = latest.step
-        return await self._send(_api.restore_plan(run, step, region=region, rank=rank))
-
-    async def restore(
-        self,
-        run: str,
-        dest: str | os.PathLike[str],
-        step: int | None = None,
-        region: str | None = None,
-        rank: int | None = None,
-        progress: Progress | None = None,
-    ) -> Path:
-        """Download and verify a checkpoint into ``dest`` (which must not exist
-        or be empty); returns ``dest``. Falls back across regions."""
-        check_destination(dest)
-        plan = await self.restore_plan(run, step, region=region, rank=rank)
-        own = self._download_transport is None
-        http = self._http
-        if own:
-            http = httpx.AsyncClient(
-                base_url=self.base_url,
-                timeout=self._http.timeout,
-                transport=download_transport(self._transfer),
-                headers={"User-Agent": USER_AGENT},
-            )
-        try:
-            restored = await restore_from_plan(
-                plan,
-                dest,
-                http=http,
-                token=self._token,
-                rank=rank,
-                progress=progress,
-                options=self._transfer,
-                direct=own,
-            )
-        finally:
-            if own:
-                await http.aclose()
-        self._restored = CheckpointRef(run=plan.run, step=plan.step)
-        return restored
-
-    async def lineage(self, run: str, step: int) -> Lineage:
-        """Ancestors (across runs, parent first) and direct children."""
-        return await self._send(_api.lineage(run, step))
-
-    async def advice(
-        self,
-        run: str,
-        mtbf_hours: float,
-        cost_seconds: float | None = None,
-        restart_seconds: float | None = None,
-        window: int | None = None,
-    ) -> Advice:
-        """Checkpoint interval advice (Young, Daly) from the run's observed
-        write and upload times; ``cost_seconds`` overrides the observed cost."""
-        call = _api.advice(
-            run,
-            mtbf_hours,
-            cost_seconds=cost_seconds,
-            restart_seconds=restart_seconds,
-            window=window,
-        )
-        return await self._send(call)
+            case _effects.JournalAppended():
+                assert self._wake is not None
+                self._wake.set()
+            case _effects.JournalSettled():
+                assert self._settled is not None
+                self._settled.set()
+            case _effects.JournalChange(timeout):
+                assert self._settled is not None and self._journal is not None
+                # Cleared before looking: a settle after this point is seen.
+                self._settled.clear()
+                if len(self._journal):
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(timeout):
+                            await self._settled.wait()
+            case _:
+                raise TypeError(f"not a request of a client flow: {request!r}")
+        return None

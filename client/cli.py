@@ -10,17 +10,17 @@ one JSON document on stdout.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic_core import to_jsonable_python
 
-from . import _api, _render
+from . import _render
 from ._api import DEFAULT_URL
 from .errors import (
     BadRequestError,
@@ -30,6 +30,8 @@ from .errors import (
 )
 from .models import Checkpoint
 from .sync_client import CheckpointClient
+
+N = TypeVar("N", int, float)
 
 OK, NOT_FOUND, BAD_INPUT, SERVER_ERROR, CORRUPT = 0, 1, 2, 3, 4
 INTERRUPTED = 130
@@ -52,40 +54,38 @@ def _setup_logging() -> None:
         logger.setLevel(logging.INFO)
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
-    return value
+def _number(
+    convert: Callable[[str], N], noun: str, refuse: Callable[[N], bool], rule: str
+) -> Callable[[str], N]:
+    """An argparse ``type``: ``convert`` the text, or say it is not ``noun``;
+    a value ``refuse`` rejects is answered with ``rule``."""
+
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        if refuse(value):
+            raise argparse.ArgumentTypeError(f"{rule}: {text}")
+        return value
+
+    return parse
+
+
+_non_negative = _number(int, "an integer", lambda value: value < 0, "must be >= 0")
+_seconds = _number(float, "a number of seconds", lambda value: value < 0, "must be >= 0")
+_positive_number = _number(
+    float,
+    "a number",
+    lambda value: not value > 0 or value == float("inf"),
+    "must be a number > 0",
+)
 
 
 def _positive(text: str) -> int:
     value = _non_negative(text)
     if value == 0:
         raise argparse.ArgumentTypeError("must be >= 1")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
-    return value
-
-
-def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0: {text}")
     return value
 
 
@@ -254,30 +254,39 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _serve(args: argparse.Namespace) -> int:
+class _ServiceMissing(TierckptError):
+    """This install has the client without the service's dependencies."""
+
+
+def _service(name: str) -> Callable[..., Any]:
+    """A command of ``tierckpt.service.main``, imported only when run: the
+    client installs and runs without the service's dependencies."""
     try:
-        from tierckpt.service.main import serve
+        module = importlib.import_module("tierckpt.service.main")
     except ImportError as exc:
-        return _fail(f"the tierckpt service is not available: {exc}", SERVER_ERROR)
-    serve(args.config)
+        raise _ServiceMissing(f"the tierckpt service is not available: {exc}") from exc
+    command: Callable[..., Any] = getattr(module, name)
+    return command
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _service("serve")(args.config)
     return OK
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    try:
-        from tierckpt.service.main import migrate
-    except ImportError as exc:
-        return _fail(f"the tierckpt service is not available: {exc}", SERVER_ERROR)
-    migrate(args.config)
+    _service("migrate")(args.config)
     return OK
 
 
 def _rebuild_catalog(args: argparse.Namespace) -> int:
     try:
         from tierckpt.service.main import rebuild_catalog
+
+        from .rebuild_report import print_report
     except ImportError as exc:
         return _fail(f"the tierckpt service is not available: {exc}", SERVER_ERROR)
-    return rebuild_catalog(args.config, as_json=args.json)
+    return rebuild_catalog(args.config, as_json=args.json, show=print_report)
 
 
 def _lineage(args: argparse.Namespace) -> int:
@@ -391,18 +400,9 @@ def _wait_durable(
     on_poll: Callable[[Checkpoint], None],
     poll_interval: float = 0.2,
 ) -> Checkpoint:
-    """``client.wait(..., state="durable")``, showing every poll to ``on_poll``."""
-    target = _api.check_wait_target("durable")
-    deadline = _api.wait_deadline(timeout)
-    while True:
-        checkpoint = client.get(run, step)
-        on_poll(checkpoint)
-        if _api.wait_reached(checkpoint, target):
-            return checkpoint
-        delay = _api.next_poll_delay(deadline, poll_interval)
-        if delay is None:
-            raise _api.wait_timeout_error(run, step, "durable", checkpoint, timeout)
-        time.sleep(delay)
+    """``client.wait(..., state="durable")`` (the same flow), showing every
+    poll to ``on_poll``."""
+    return client._run(client._wait_for(run, step, "durable", timeout, poll_interval, on_poll))
 
 
 def _latest(args: argparse.Namespace) -> int:

@@ -39,11 +39,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from types import FrameType, TracebackType
-from typing import Any, Literal
+from types import FrameType
+from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 import httpx
+
+from ._closing import ClosesOnExit
 
 log = logging.getLogger("tierckpt.client.preemption")
 
@@ -147,7 +149,7 @@ class _Poller:
         return Notice("aws", detail, time.monotonic(), _parse_time(when))
 
 
-class PreemptionGuard:
+class PreemptionGuard(ClosesOnExit):
     """Trap preemption signals and poll a spot-termination notice; see the module doc.
 
     ``signals``: trapped while active (default SIGTERM and SIGUSR1; ``()`` to
@@ -264,7 +266,7 @@ class PreemptionGuard:
 
     # -- context manager -----------------------------------------------------------
 
-    def __enter__(self) -> PreemptionGuard:
+    def __enter__(self) -> Self:
         if self._active:
             raise RuntimeError("PreemptionGuard is already active")
         self._install_signals()
@@ -277,14 +279,6 @@ class PreemptionGuard:
             )
             self._thread.start()
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Stop polling and put the previous signal handlers back."""

@@ -24,6 +24,7 @@ import httpx
 from ._api import auth_headers
 from ._direct_get import DirectRanges
 from ._download import FileJob, SourceError, TransferOptions, fetch_files, in_thread
+from ._files import fsync_dir
 from .errors import BadRequestError, DestinationError, RestoreError
 from .models import PlanFile, RestorePlan
 
@@ -159,18 +160,10 @@ def _default_dir_mode() -> int:
     return 0o755
 
 
-def _fsync_dir(path: Path | str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(staging: Path, dest: Path) -> None:
     mode = dest.stat().st_mode & 0o7777 if dest.is_dir() else _default_dir_mode()
     for directory, _dirs, _files in os.walk(staging, topdown=False):
-        _fsync_dir(directory)
+        fsync_dir(directory)
     os.chmod(staging, mode)
     try:
         os.rename(staging, dest)
@@ -181,7 +174,7 @@ def _commit(staging: Path, dest: Path) -> None:
                 code="dest_not_empty",
             ) from exc
         raise
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent)
 
 
 Staged = dict[PurePosixPath, tuple[int, str] | None]

@@ -21,6 +21,10 @@ trainer. The demo
 Whatever happens, it stops everything it started. Exit code 0 on success;
 non-zero with a message (and the logs' tails) on failure. `--keep` keeps the
 work directory for a look around.
+
+Run it from the repository root as a module, `python -m examples.demo` (what
+`make demo` does): the SeaweedFS launcher comes from `devsupport`, the
+development package that lives in the repository and is not installed.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ import json
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,15 +46,12 @@ from typing import IO, Any
 
 import httpx
 
+from devsupport.processes import free_port
+from devsupport.seaweed import SeaweedServer
 from tierckpt.client import CheckpointClient
 from tierckpt.client.models import Advice
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the SeaweedFS launcher lives with the tests
-
-from tests.support.seaweed import SeaweedServer  # noqa: E402
-
-TRAINER = REPO / "examples" / "torch_train.py"
+TRAINER = Path(__file__).resolve().with_name("torch_train.py")
 RUN = "demo-torch"
 NODE = "demo-node"
 MTBF_HOURS = 12.0
@@ -64,12 +64,6 @@ class DemoError(RuntimeError):
 
 def say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tierckpt_command() -> list[str]:

@@ -4,11 +4,11 @@ The upload pipeline holds at most ``parts_in_flight × part_size`` bytes of
 parts, but each part is a fresh 16 MiB ``bytes`` allocated in whichever
 thread read it. glibc serves such blocks with mmap only until the first one
 is freed: it then raises its mmap threshold (up to 32 MiB) and carves later
-parts out of per-thread heap arenas, which keep the pages after ``free``.
-Measured on a 1 GB upload, the agent's peak RSS was ~480 MiB with 128 MiB of
-live parts. Fixing the threshold (which also stops glibc from moving it)
-makes every large buffer an mmap that ``free`` returns at once; the cost is a
-page fault per 4 KiB of a part, small next to reading and hashing it.
+parts out of per-thread heap arenas, which keep the pages after ``free``, so
+the resident set grows to several times the live parts. Fixing the threshold
+(which also stops glibc from moving it) makes every large buffer an mmap that
+``free`` returns at once; the cost is a page fault per 4 KiB of a part, small
+next to reading and hashing it.
 """
 
 from __future__ import annotations

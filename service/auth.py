@@ -1,4 +1,4 @@
-"""Bearer tokens with a role and a run pattern (DESIGN.md "Security defaults").
+"""Bearer tokens with a role and a run pattern: who may do what to which run.
 
 Tokens are configured as SHA-256 digests only; a presented token is hashed
 and compared with every configured digest in constant time. With no tokens

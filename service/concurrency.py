@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -23,3 +23,18 @@ async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def for_each_bounded(
+    items: Iterable[T], width: int, work: Callable[[T], Awaitable[None]]
+) -> None:
+    """Run ``work`` over ``items`` with at most ``width`` at a time, without
+    creating a task per item (a manifest may list 100 000 files). The first
+    error cancels the rest and is raised, as by ``gather_or_cancel``."""
+    iterator: Iterator[T] = iter(items)
+
+    async def worker() -> None:
+        for item in iterator:
+            await work(item)
+
+    await gather_or_cancel(*(worker() for _ in range(max(1, width))))

@@ -1,9 +1,13 @@
 """Typed settings for one tierckpt agent.
 
-Loaded from a TOML file (DESIGN.md's fixed surface) and overridable key by key
-from the environment as ``TIERCKPT_<SECTION>__<KEY>``. With no file at all the
-agent runs on the embedded default: a SQLite catalog and a POSIX region under
-``./.tierckpt/``, bound to loopback.
+Loaded from a TOML file and overridable key by key from the environment as
+``TIERCKPT_<SECTION>__<KEY>``. With no file at all the agent runs on the
+embedded default: a SQLite catalog and a POSIX region under ``./.tierckpt/``,
+bound to loopback.
+
+Each key's attribute docstring is its user documentation: docs/configuration.md
+is generated from them (``python -m tierckpt.service.config_reference``), and a
+key without one fails the test that keeps that file current.
 """
 
 from __future__ import annotations
@@ -19,8 +23,15 @@ from typing import Any, Literal
 from pydantic import BaseModel as _PydanticModel
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+from .names import NAME_CHARS, is_region_name
+
 DEFAULT_HOME = Path(".tierckpt")
+
+# TIERCKPT_<SECTION>__<KEY> overrides one key of a table; the arrays of tables
+# cannot be addressed that way (which entry?) and come from the file only.
+ENV_PREFIX = "TIERCKPT_"
+ENV_SEPARATOR = "__"
+FILE_ONLY_SECTIONS = ("regions", "tokens")
 
 
 class BaseModel(_PydanticModel):
@@ -33,25 +44,38 @@ class ConfigError(ValueError):
 
 
 class ServerSettings(BaseModel):
+    """The agent's HTTP server: API, dashboard and /metrics."""
+
     host: str = "127.0.0.1"
+    """Address to bind. Anything but loopback is refused unless [[tokens]] are configured."""
     port: int = Field(8470, ge=0, le=65535)
+    """TCP port of the API, the dashboard and /metrics."""
     node: str = Field(default_factory=socket.gethostname)
+    """This agent's node name. Upload jobs run on the node that holds the files,
+    so every agent sharing a catalog needs its own."""
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    # Requests per second per token (per client address for unauthenticated
-    # callers and for the loopback admin when no tokens are configured), as a
-    # token bucket of `rate_limit_burst`; 0 turns the limit off. Health probes
-    # and the POSIX object downloads of a restore are not counted.
+    """Largest request body accepted; a larger one is answered 413."""
     rate_limit_per_second: float = Field(200.0, ge=0)
+    """Requests per second per token (per client address for unauthenticated
+    callers and for the loopback admin when no tokens are configured), as a
+    token bucket of `rate_limit_burst`; 0 turns the limit off. Health probes
+    and the POSIX object downloads of a restore are not counted."""
     rate_limit_burst: int = Field(400, ge=1)
-    # /metrics without a token (scrapers rarely carry one); false: a READ token.
+    """Size of the rate limit's token bucket: how many requests may come at once."""
     metrics_public: bool = True
-    # Log lines of `serve`: "json" (one object a line), "console" (for people),
-    # or "auto": console on a terminal, JSON otherwise.
+    """Serve /metrics without a token (scrapers rarely carry one); false
+    requires a token that may read."""
     log_format: Literal["auto", "json", "console"] = "auto"
+    """Log lines of `serve`: `json` (one object a line), `console` (for
+    people), or `auto`: console on a terminal, JSON otherwise."""
 
 
 class CatalogSettings(BaseModel):
+    """Where the catalog (runs, checkpoints, replicas, jobs) lives."""
+
     url: str = f"sqlite+aiosqlite:///{DEFAULT_HOME}/catalog.db"
+    """SQLAlchemy URL: `sqlite+aiosqlite://` for one agent, `postgresql+asyncpg://`
+    for several agents sharing one catalog. Migrations run at `serve` start."""
 
     @field_validator("url")
     @classmethod
@@ -68,28 +92,49 @@ class CatalogSettings(BaseModel):
 
 
 class LocalSettings(BaseModel):
+    """The node's local SSD (T0), where trainers write checkpoints."""
+
     roots: list[Path] = Field(default_factory=lambda: [DEFAULT_HOME / "local"])
+    """Directories a registered checkpoint must lie under; anything outside
+    them (symlinks leading out included) is refused."""
     keep_last: int = Field(2, ge=0)
+    """Newest local copies kept per run; older ones are deleted from the SSD
+    once the checkpoint is durable in the regions."""
     max_files_per_checkpoint: int = Field(100_000, ge=1)
+    """Most files one registered checkpoint (shard) may hold."""
     max_path_length: int = Field(1024, ge=16)
+    """Longest relative file path (in UTF-8 bytes) inside a checkpoint."""
 
 
 class RegionSettings(BaseModel):
+    """One region: an S3 bucket or a POSIX directory. The first is the primary."""
+
     name: str
+    """The region's name, used in the API, the CLI and the metrics."""
     kind: Literal["s3", "posix"] = "s3"
+    """The store: `s3` (any S3-compatible store) or `posix` (a mounted file
+    system: NFS, EFS, Lustre)."""
     endpoint_url: str | None = None
+    """S3 endpoint; unset: AWS. Regions on one endpoint copy server-side."""
     bucket: str | None = None
+    """S3 bucket (required for kind `s3`)."""
     prefix: str = ""
+    """Key prefix every object of this region is stored under; surrounding
+    slashes are dropped."""
     access_key_id: str | None = None
+    """S3 access key; unset: the usual AWS credential chain."""
     secret_access_key: str | None = None
+    """S3 secret key; unset: the usual AWS credential chain."""
     region_name: str = "us-east-1"
+    """S3 signing region."""
     root: Path | None = None
+    """Directory of a POSIX region (required for kind `posix`)."""
 
     @field_validator("name")
     @classmethod
     def _valid_name(cls, name: str) -> str:
-        if not NAME_PATTERN.match(name) or name in (".", ".."):
-            raise ValueError("region name must match [A-Za-z0-9._-]{1,128}")
+        if not is_region_name(name):
+            raise ValueError(f"region name must match {NAME_CHARS}")
         return name
 
     @field_validator("prefix")
@@ -110,17 +155,27 @@ class RegionSettings(BaseModel):
 
 
 class DurabilitySettings(BaseModel):
+    """When a checkpoint counts as durable."""
+
     min_regions: int = Field(1, ge=1)
-    # A checkpoint still missing ranks this long after its first one is
-    # failed: it can never become valid and must not linger as "uploading".
+    """Regions a checkpoint must be committed in to be durable (and a candidate for `latest`)."""
     incomplete_timeout_hours: float = Field(24.0, gt=0)
+    """A sharded checkpoint still missing ranks this long after its first one
+    is failed: it can never become valid and must not linger as "uploading"."""
 
 
 class TokenSettings(BaseModel):
+    """One API token, stored as its SHA-256 only."""
+
     name: str
+    """Who holds the token (named in the refusals it gets)."""
     sha256: str
+    """Hex SHA-256 of the token; the token itself is never configured."""
     role: Literal["trainer", "reader", "admin"] = "reader"
+    """What the token may do: `reader` reads, `trainer` also registers,
+    `admin` also deletes, pins, quarantines and sets retention."""
     runs: str = "*"
+    """Shell-style pattern of the run names the token may touch."""
 
     @field_validator("sha256")
     @classmethod
@@ -132,46 +187,91 @@ class TokenSettings(BaseModel):
 
 
 class UploadSettings(BaseModel):
+    """How checkpoints are sent to the regions."""
+
     part_size_mb: int = Field(16, ge=5, le=512)
+    """Multipart part size in MiB (S3 refuses parts under 5 MiB)."""
     parts_in_flight: int = Field(8, ge=1, le=256)
+    """Parts being sent at once; with `part_size_mb` it bounds the upload's
+    memory (parts_in_flight × part_size_mb)."""
     files_in_flight: int = Field(8, ge=1, le=256)
-    # A file whose SHA-256 equals one already committed in the region is not
-    # sent again but copied server-side into its own key (CopyObject /
-    # UploadPartCopy, or an in-kernel copy on POSIX): checkpoints that leave
-    # most files unchanged (frozen layers, data-loader state) cost only their
-    # changed bytes. false: every byte is always sent (e.g. to measure the
-    # pipeline on new bytes). See service/uploads/dedup.py.
+    """Files of one checkpoint being sent at once."""
     dedup: bool = True
-    # Upload a single-shard checkpoint from T0 to every region at once rather
-    # than primary first, then replicate: register -> replicated then takes
-    # about as long as register -> durable (the regions fill in parallel).
+    """A file whose SHA-256 equals one already committed in the region is not
+    sent again but copied server-side into its own key (CopyObject /
+    UploadPartCopy, or an in-kernel copy on POSIX): checkpoints that leave
+    most files unchanged (frozen layers, data-loader state) cost only their
+    changed bytes. false: every byte is always sent (e.g. to measure the
+    pipeline on new bytes)."""
     fan_out: bool = True
+    """Upload a single-shard checkpoint from T0 to every region at once rather
+    than primary first, then replicate: register → replicated then takes
+    about as long as register → durable (the regions fill in parallel)."""
 
 
 class WorkerSettings(BaseModel):
+    """The background worker that runs jobs (upload, replicate, verify, delete)."""
+
     enabled: bool = True
+    """Run jobs in this agent; false: it only serves the API."""
     concurrency: int = Field(4, ge=1, le=64)
+    """Jobs run at once."""
     poll_interval: float = Field(0.5, gt=0)
+    """Seconds between claims when the queue is empty (new work also wakes the worker)."""
     lease_seconds: float = Field(30.0, ge=1)
+    """A claimed job's lease, extended while it runs; a job whose lease expires
+    (its agent died) is claimed again by any agent."""
     max_attempts: int = Field(10, ge=1)
+    """Attempts of an upload job before its shard is failed; the other job
+    kinds have their own retry policy."""
     backoff_base: float = Field(1.0, gt=0)
+    """First retry delay in seconds, doubling with each attempt (full jitter)."""
     backoff_max: float = Field(300.0, gt=0)
+    """Longest retry delay in seconds."""
     shutdown_timeout: float = Field(10.0, ge=0)
+    """At shutdown, seconds running jobs get to finish before they are given
+    back to the queue (after a drain: at most what is left of it)."""
+    drain_seconds: float = Field(25.0, ge=0, le=3600)
+    """On SIGTERM (a preempted node), seconds the agent keeps serving and
+    keeps running its own node's work (urgent first) before it exits: the
+    trainer's urgent checkpoint, saved in that moment, is uploaded before the
+    node goes. New normal registrations get 503 `draining`; urgent ones are
+    still accepted. Keep it below the orchestrator's kill deadline with a few
+    seconds to spare (Kubernetes `terminationGracePeriodSeconds`, 30 by
+    default; Docker `stop_grace_period`; Slurm `KillWait`, 30 by default).
+    0: no drain, stop claiming at once. A second SIGTERM or SIGINT ends a
+    drain at once."""
+    drain_linger_seconds: float = Field(5.0, ge=0)
+    """A drain lasts at least this long after SIGTERM, and after the last
+    registration it accepted, even once its node's work is done: the trainer,
+    signalled at the same moment, may still be writing its urgent checkpoint.
+    It should cover the trainer's save (write + register); each registration
+    accepted restarts it. Never beyond `drain_seconds`."""
 
 
 class ScrubSettings(BaseModel):
+    """The scrubber: periodic re-reading and re-hashing of committed copies."""
+
     enabled: bool = True
+    """Run the scrubber in this agent."""
     interval_seconds: float = Field(600.0, gt=0)
-    # Re-read budget: scrubbing must not compete with uploads for the store.
+    """Seconds between scrub rounds."""
     bytes_per_hour: int = Field(100 * 1024**3, ge=0)
-    # A replica verified more recently than this is not re-read by the scrubber.
+    """Re-read budget in bytes per hour: scrubbing must not compete with
+    uploads for the store."""
     min_age_hours: float = Field(24.0, ge=0)
+    """A replica verified more recently than this is not re-read."""
 
 
 class KeepBestSettings(BaseModel):
+    """Keep the best checkpoints by a metric sent at registration."""
+
     metric: str = Field(min_length=1, max_length=128)
+    """Name of the metric (as in `--metric val_loss=1.93`)."""
     mode: Literal["min", "max"] = "min"
+    """Which end is best: `min` (lower is better) or `max`."""
     n: int = Field(1, ge=1)
+    """How many of the best to keep."""
 
 
 class RetentionPolicySettings(BaseModel):
@@ -179,16 +279,25 @@ class RetentionPolicySettings(BaseModel):
     Nothing set keeps everything."""
 
     keep_last: int | None = Field(None, ge=1)
+    """Keep the newest N checkpoints."""
     keep_every_steps: int | None = Field(None, ge=1)
+    """Keep every checkpoint whose step is a multiple of N."""
     keep_best: KeepBestSettings | None = None
+    """Keep the best checkpoints by a metric (a table: metric, mode, n)."""
     keep_daily_days: int | None = Field(None, ge=1)
+    """Keep the newest checkpoint of each of the last N days."""
     keep_weekly_weeks: int | None = Field(None, ge=1)
+    """Keep the newest checkpoint of each of the last N weeks."""
 
 
 class RetentionSettings(RetentionPolicySettings):
-    """The server default, plus how often the agent applies retention."""
+    """The default policy of every run without its own (set with
+    PUT /v1/runs/{run}/retention), plus how often the agent applies retention.
+    Nothing set keeps everything; the latest valid checkpoint, pinned ones and
+    their ancestors are always kept."""
 
     interval_seconds: float = Field(300.0, gt=0)
+    """Seconds between retention rounds (which also evict local copies)."""
 
 
 class Settings(BaseModel):
@@ -249,10 +358,10 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     """
     overrides: dict[str, Any] = {}
     for name, raw in environ.items():
-        if not name.startswith("TIERCKPT_") or "__" not in name:
+        if not name.startswith(ENV_PREFIX) or ENV_SEPARATOR not in name:
             continue
-        section, _, key = name[len("TIERCKPT_") :].lower().partition("__")
-        if not section or not key or section in ("regions", "tokens"):
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition(ENV_SEPARATOR)
+        if not section or not key or section in FILE_ONLY_SECTIONS:
             continue
         try:
             value: Any = tomllib.loads(f"v = {raw}")["v"]

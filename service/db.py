@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,11 +21,13 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
+from .write_gate import READ_ONLY, gated
+
 # PostgreSQL: how long opening a connection, and any one statement of the
 # service, may take before the catalog counts as unreachable (503 to the
 # caller, a pause for the worker). Without them, a partitioned network (no
-# reset, no answer) held each request for ever: asyncpg's own connect timeout
-# is 60 s and its statements have none.
+# reset, no answer) would hold each request for ever: asyncpg's own connect
+# timeout is 60 s and its statements have none.
 CONNECT_TIMEOUT = 5.0
 STATEMENT_TIMEOUT = 30.0
 
@@ -115,9 +118,6 @@ def _sqlite_transactions(engine: Engine) -> None:
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
-
-
-READ_ONLY = "tierckpt_read_only"
 
 
 def create_read_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
@@ -212,9 +212,38 @@ async def dispose_read_engine(
 async def transaction(
     sessionmaker: async_sessionmaker[AsyncSession],
 ) -> AsyncIterator[AsyncSession]:
-    """One unit of work: commit on success, roll back on any error."""
-    async with sessionmaker() as session, session.begin():
+    """One unit of work: commit on success, roll back on any error.
+
+    On SQLite it holds the process's write gate (write_gate.py) for its whole
+    length: keep it short, with no store or file I/O inside."""
+    async with gated(sessionmaker), sessionmaker() as session, session.begin():
         yield session
+
+
+def reading(
+    sessionmaker: async_sessionmaker[AsyncSession],
+) -> async_sessionmaker[AsyncSession]:
+    """Sessions on the same catalog for work that only reads: on SQLite they
+    read a snapshot without taking the write lock (``_on_begin``), which a
+    plain session would take at its first statement and hold until it ends,
+    stalling every writer (the registrations first) meanwhile. PostgreSQL
+    reads take no lock: the same sessionmaker."""
+    bind = sessionmaker.kw.get("bind")
+    if not isinstance(bind, AsyncEngine) or bind.dialect.name != "sqlite":
+        return sessionmaker
+    if bind.sync_engine.get_execution_options().get(READ_ONLY):
+        return sessionmaker
+    readers = _READERS.get(sessionmaker)
+    if readers is None:
+        readers = _READERS[sessionmaker] = async_sessionmaker(
+            bind.execution_options(**{READ_ONLY: True}), expire_on_commit=False
+        )
+    return readers
+
+
+_READERS: weakref.WeakKeyDictionary[
+    async_sessionmaker[AsyncSession], async_sessionmaker[AsyncSession]
+] = weakref.WeakKeyDictionary()
 
 
 def dialect_name(session: AsyncSession) -> str:

@@ -1,21 +1,25 @@
-"""FastAPI dependencies: resources from the lifespan, a request session, the caller."""
+"""FastAPI dependencies: resources and the agent from the lifespan, a request
+session, the registration writer, the caller."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from .agent import AgentProcess
 from .auth import Principal, authenticate
+from .checkpoints.batching import RegistrationBatcher
 from .checkpoints.service import CheckpointService
 from .errors import ApiError
+from .names import RUN_NAME, RUN_NAME_RULE
 from .resources import Resources
 
 # The dependencies are `async def` although they never await: FastAPI runs a
-# plain `def` dependency in a thread, a hop that cost ~8% of a `latest` call.
+# plain `def` dependency in a thread, a hop that costs a hot call like `latest`
+# a noticeable share of its time.
 
 
 async def get_resources(request: Request) -> Resources:
@@ -24,6 +28,22 @@ async def get_resources(request: Request) -> Resources:
 
 
 ResourcesDep = Annotated[Resources, Depends(get_resources)]
+
+
+async def get_agent(request: Request) -> AgentProcess:
+    agent: AgentProcess = request.app.state.agent
+    return agent
+
+
+AgentDep = Annotated[AgentProcess, Depends(get_agent)]
+
+
+async def get_registrations(agent: AgentDep) -> RegistrationBatcher:
+    """The agent's registration writer (group commit)."""
+    return agent.registrations
+
+
+RegistrationsDep = Annotated[RegistrationBatcher, Depends(get_registrations)]
 
 
 async def get_session(request: Request, resources: ResourcesDep) -> AsyncIterator[AsyncSession]:
@@ -46,11 +66,6 @@ async def get_session(request: Request, resources: ResourcesDep) -> AsyncIterato
 SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
 
 
-# A run name as registration accepts it, minus "." and ".." (they would be
-# path segments of the object keys built from it).
-RUN_NAME = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,128}$")
-
-
 async def get_principal(
     request: Request,
     resources: ResourcesDep,
@@ -63,7 +78,7 @@ async def get_principal(
     run = request.path_params.get("run")
     if run is not None and not RUN_NAME.match(run):
         raise ApiError(
-            f"run name {run[:140]!r} is invalid: 1-128 of A-Z a-z 0-9 . _ -, not '.' or '..'",
+            f"run name {run[:140]!r} is invalid: {RUN_NAME_RULE}",
             code="invalid_run",
             status=422,
         )

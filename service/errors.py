@@ -46,6 +46,9 @@ class ApiError(Exception):
     status = 400
     code = "bad_request"
 
+    # Extra response headers (Retry-After on a 503).
+    headers: dict[str, str] | None = None
+
     def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
         self.message = message
@@ -137,7 +140,8 @@ _DOCUMENTED_ERRORS = {
     "4XX": "bad input, not found, conflict, authentication (401/403), body too large "
     "(413) or rate limited (429, with Retry-After)",
     "422": "the request does not match the schema",
-    "503": "the catalog database is unreachable; retry after Retry-After seconds",
+    "503": "the catalog database is unreachable (`catalog_unavailable`), or the agent is "
+    "shutting down (`draining`: normal registrations only); retry after Retry-After seconds",
 }
 
 
@@ -180,7 +184,7 @@ def _describe_validation(exc: RequestValidationError) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else exc.headers
         return JSONResponse(
             error_body(exc.code, exc.message), status_code=exc.status, headers=headers
         )

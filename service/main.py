@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .config import ConfigError, Settings, load_settings
+
+if TYPE_CHECKING:
+    from .rebuild import RebuildReport
 
 
 def _settings_or_exit(config_path: str | None) -> Settings:
@@ -30,6 +35,7 @@ def serve(config_path: str | None = None) -> None:
     from .app import create_app
     from .migrate import upgrade
     from .observability.logs import configure_logging
+    from .server import DrainingServer
 
     # Before any part buffer exists: bounded parts must mean bounded RSS.
     return_large_buffers_to_os()
@@ -38,9 +44,7 @@ def serve(config_path: str | None = None) -> None:
     configure_logging(settings.server.log_format)
     upgrade(settings.catalog.url)
     app = create_app(settings)
-    # uvicorn turns SIGTERM into a lifespan shutdown: the worker stops
-    # claiming, lets running jobs finish for a grace period, then releases them.
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.server.host,
         port=settings.server.port,
@@ -50,17 +54,30 @@ def serve(config_path: str | None = None) -> None:
         access_log=False,
         timeout_graceful_shutdown=int(settings.worker.shutdown_timeout) + 5,
     )
+    # SIGTERM drains (server.py): the node's work, urgent first, runs for up
+    # to [worker] drain_seconds; then the lifespan shutdown gives back the rest.
+    server = DrainingServer(config, app, settings.worker.drain_seconds)
+    server.run()
+    if not server.started:
+        raise SystemExit(3)
 
 
-def rebuild_catalog(config_path: str | None, *, as_json: bool = False) -> int:
+def rebuild_catalog(
+    config_path: str | None,
+    *,
+    as_json: bool = False,
+    show: Callable[[RebuildReport], None],
+) -> int:
     """`tierckpt rebuild-catalog`: recreate a lost catalog from the regions'
-    manifests (see tierckpt.service.rebuild). Exit code: 0 done (corrupt or
-    missing replicas are reported, not failures), 2 bad configuration, 3 the
-    catalog or every region unreachable, so nothing could be rebuilt."""
+    manifests (see tierckpt.service.rebuild). The report is printed as JSON,
+    or handed to ``show`` (the CLI renders it for people). Exit code: 0 done
+    (corrupt or missing replicas are reported, not failures), 2 bad
+    configuration, 3 the catalog or every region unreachable, so nothing
+    could be rebuilt."""
     import asyncio
     import json
 
-    from .rebuild import CatalogUnreachable, rebuild, render_report
+    from .rebuild import CatalogUnreachable, rebuild
 
     try:
         settings = load_settings(config_path)
@@ -83,9 +100,7 @@ def rebuild_catalog(config_path: str | None, *, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        from rich.console import Console
-
-        Console(highlight=False).print(render_report(report))
+        show(report)
     if report.nothing_reachable:
         print("error: no region could be reached; nothing was rebuilt", file=sys.stderr)
         return 3

@@ -1,21 +1,38 @@
-"""Everything an agent holds while it runs, built once in the app's lifespan."""
+"""The agent's infrastructure: settings, catalog engines and session makers,
+one object store per region, and a way to wake the worker.
+
+Built once at startup (``open_resources``) and closed last (``close_resources``).
+Features receive it and use only the infrastructure they need; it knows no
+feature, so anything may import it. The background components that use it
+(worker, registration writer, periodic passes) are assembled in ``agent.py``.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from sqlalchemy import orm
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from .config import Settings
-from .storage.factory import Stores
+from .db import (
+    create_engine,
+    create_read_sessionmaker,
+    create_sessionmaker,
+    create_sync_readers,
+    dispose_read_engine,
+    dispose_sync_readers,
+)
+from .storage.base import StoreError
+from .storage.factory import Stores, build_stores
 
-if TYPE_CHECKING:
-    from .checkpoints.batching import RegistrationBatcher
-    from .integrity.scrub import Scrubber
-    from .jobs.worker import Worker
-    from .retention.sweeper import RetentionSweeper
+log = logging.getLogger("tierckpt")
+
+
+def _no_worker() -> None:
+    """The wake-up of an agent that runs no worker: nobody to wake."""
 
 
 @dataclass
@@ -29,12 +46,34 @@ class Resources:
     # SQLite only: plain (sync) read-only sessions, for hot reads that run
     # whole in one worker thread (db.create_sync_readers).
     sync_readers: orm.sessionmaker[orm.Session] | None = field(default=None)
-    worker: Worker | None = field(default=None)
-    scrubber: Scrubber | None = field(default=None)
-    sweeper: RetentionSweeper | None = field(default=None)
-    # The registration writer (group commit), made on first use.
-    registrations: RegistrationBatcher | None = field(default=None)
+    # Work was just enqueued in this process: the worker looks now instead of
+    # at its next poll. Set by the agent's assembly when it runs a worker.
+    wake: Callable[[], None] = field(default=_no_worker)
 
-    def wake_worker(self) -> None:
-        if self.worker is not None:
-            self.worker.wake()
+
+async def open_resources(settings: Settings) -> Resources:
+    engine = create_engine(settings.catalog.url, bounded=True)
+    stores = build_stores(settings)
+    for store in stores.values():
+        try:
+            await store.ensure_ready()
+        except StoreError as exc:
+            # A region that is down must not stop the agent: its jobs retry.
+            log.warning("region %s not ready: %s", store.region, exc)
+    return Resources(
+        settings=settings,
+        engine=engine,
+        sessionmaker=create_sessionmaker(engine),
+        read_sessionmaker=create_read_sessionmaker(engine),
+        sync_readers=create_sync_readers(engine),
+        stores=stores,
+    )
+
+
+async def close_resources(resources: Resources) -> None:
+    """After the agent's components have stopped: stores, then the catalog."""
+    await resources.stores.aclose()
+    dispose_sync_readers(resources.sync_readers)
+    if resources.read_sessionmaker is not None:
+        await dispose_read_engine(resources.read_sessionmaker, resources.engine)
+    await resources.engine.dispose()

@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.support import postgres as pg
-from tests.support.seaweed import SeaweedServer, boto3_client
-from tests.support.tcpproxy import TcpProxy
+from devsupport import postgres as pg
+from devsupport.seaweed import SeaweedServer, boto3_client
+from devsupport.tcpproxy import TcpProxy
 
 
 @pytest.fixture(scope="session")
@@ -42,23 +42,15 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
     A test may stop/kill/restart it (same ports and data) but must leave it
     running.
     """
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
-    server.start()
-    try:
+    with SeaweedServer(tmp_path_factory.mktemp("seaweed")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
 def seaweed_west(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """A second, independent SeaweedFS server: another region."""
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweed-west"))
-    server.start()
-    try:
+    with SeaweedServer(tmp_path_factory.mktemp("seaweed-west")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -92,22 +84,16 @@ def postgres_admin_url() -> str:
 @pytest.fixture(scope="session")
 def postgres_url(postgres_admin_url: str) -> Iterator[str]:
     """SQLAlchemy URL (postgresql+asyncpg) of a fresh database, dropped at session end."""
-    url = pg.create_temp_database(postgres_admin_url)
-    try:
+    with pg.temp_database(postgres_admin_url) as url:
         yield url
-    finally:
-        pg.drop_database(url, postgres_admin_url)
 
 
 @pytest.fixture(scope="session")
 def _catalog_database(postgres_admin_url: str) -> Iterator[str]:
     # Separate from postgres_url so that catalog_url's per-test reset never
     # wipes what a test keeps in postgres_url.
-    url = pg.create_temp_database(postgres_admin_url)
-    try:
+    with pg.temp_database(postgres_admin_url) as url:
         yield url
-    finally:
-        pg.drop_database(url, postgres_admin_url)
 
 
 @pytest.fixture(
@@ -131,12 +117,8 @@ def catalog_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
 def proxied_catalog(postgres_admin_url: str) -> Iterator[tuple[str, TcpProxy]]:
     """A fresh PostgreSQL catalog reached only through a TcpProxy: closing
     the proxy is a catalog outage (test_catalog_outage, test_register_batching)."""
-    direct = pg.create_temp_database(postgres_admin_url, prefix="tierckpt_outage_")
-    url = make_url(direct)
-    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432).start()
-    try:
-        through = url.set(host="127.0.0.1", port=proxy.port)
-        yield through.render_as_string(hide_password=False), proxy
-    finally:
-        proxy.close()
-        pg.drop_database(direct, postgres_admin_url)
+    with pg.temp_database(postgres_admin_url, prefix="tierckpt_outage_") as direct:
+        url = make_url(direct)
+        with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+            through = url.set(host="127.0.0.1", port=proxy.port)
+            yield through.render_as_string(hide_password=False), proxy

@@ -1,26 +1,47 @@
-"""Register latency: the trainer's stall, for a 1 MB and a 10 GiB checkpoint.
+"""Register latency: the trainer's stall, idle and while the agent works.
 
-Register only lists the files (size, mtime) and writes catalog rows; it never
-reads content, so its latency must not depend on the checkpoint's size. The
-large checkpoint is a sparse 10 GiB file (``truncate``): no disk is used.
+Two measurements.
 
-This runs on a second agent started with ``TIERCKPT_WORKER__ENABLED=false``
-and its own SQLite catalog (same region, same local root): nothing is ever
-uploaded, so the 10 GiB file does not swamp the machine and no upload
-competes with the registrations being timed. The registrations alternate
-small / large (which goes first alternates too), ``N`` each per round, after
-a short warm-up; every round gives one p50 and one p99 per size, and the
-large/small ratio is taken within the round.
+**Under upload load** (the condition trainers see): an agent with its worker
+on, two regions (two buckets of one SeaweedFS server, so the second is filled
+by replicate jobs), retention and the scrubber on short intervals. A load
+thread keeps ``IN_FLIGHT`` checkpoints of ``LOAD_BYTES`` each registered and
+not yet durable, so uploads, commits, replication, verification and retention
+run the whole time. Meanwhile the timed client registers a tiny checkpoint
+(one 4 KiB file), then asks for ``latest`` of its run, sequentially. The
+tiny checkpoints are uploaded too. The SeaweedFS server of this measurement
+keeps its data on a tmpfs (/dev/shm when it exists): the store must not share
+the agent's disk, or the figure would be the store's writes competing with
+the catalog's fsyncs, not the agent's own work. The same agent with its
+worker off (nothing uploads) gives the idle figure beside it. Both on SQLite
+and on PostgreSQL. Client-observed times, and the agent's own time for the
+same requests (its request log: from the first byte of the request to the
+last of the answer).
+
+**Idle, by size**: 1 MB against a sparse 10 GiB file, on an agent whose
+worker is off. Register only lists the files (size, mtime) and writes
+catalog rows; it never reads content, so its latency must not depend on the
+checkpoint's size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+from devsupport import postgres as pg
+from devsupport.seaweed import SeaweedServer
 from tierckpt.client import CheckpointClient
 
-from ..context import BenchContext, log
+from ..context import VOLUME_SIZE_LIMIT_MB, Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
 from ..stats import percentile, ratios, row
 
@@ -30,10 +51,284 @@ REQUIRES: tuple[str, ...] = ()
 
 LARGE_BYTES = 10 * 1024 * MiB
 SMALL_BYTES = 1 * MiB
+TINY_BYTES = 4096
 WARMUP = 5
+# Load: checkpoints kept registered and not yet durable, and their size.
+IN_FLIGHT = 3
+LOAD_FILES = 4
+LOAD_FILE_BYTES = 8 * MiB
+TARGET_P99_MS = 10.0
 
 
 def run(ctx: BenchContext) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    details: dict[str, Any] = {}
+    loaded_rows, loaded_notes, details["under_load"] = _under_load(ctx)
+    rows += loaded_rows
+    notes += loaded_notes
+    size_rows, size_notes, details["by_size"] = _by_size(ctx)
+    rows += size_rows
+    notes += size_notes
+    return {"rows": rows, "notes": notes, "details": details}
+
+
+# -- under upload load ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _tmpfs_seaweed(ctx: BenchContext) -> Iterator[tuple[SeaweedServer, str]]:
+    """A SeaweedFS server whose data is on a tmpfs, and where."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else ctx.work
+    data = Path(tempfile.mkdtemp(prefix="tierckpt-bench-s3-", dir=base))
+    server = SeaweedServer(data, volume_size_limit_mb=VOLUME_SIZE_LIMIT_MB)
+    try:
+        server.start()
+        for bucket in ("bench", "bench-west"):
+            server.create_bucket(bucket)
+        yield server, str(base)
+    finally:
+        server.stop()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _loaded_agent(
+    ctx: BenchContext, name: str, store: SeaweedServer, catalog: str | None, *, worker: bool
+) -> Agent:
+    east = s3_region("east", store)
+    west = {**s3_region("west", store), "bucket": "bench-west"}
+    sections: dict[str, dict[str, Any]] = {
+        "server": {
+            "node": f"{name}-node",
+            "rate_limit_per_second": 1_000_000,
+            "rate_limit_burst": 1_000_000,
+            "log_format": "json",  # the agent's own request times are read from it
+        },
+        # Retention deletes older load checkpoints (delete jobs in both
+        # regions, T0 eviction); the scrubber verifies committed copies.
+        "retention": {"keep_last": 4, "interval_seconds": 2.0},
+        "scrub": {"interval_seconds": 2.0, "min_age_hours": 0.0},
+        "local": {"keep_last": 2},
+    }
+    if catalog is not None:
+        sections["catalog"] = {"url": catalog}
+    return ctx.start_agent(name, worker=worker, regions=[east, west], **sections)
+
+
+class _Load:
+    """A thread keeping ``IN_FLIGHT`` load checkpoints registered and not yet durable."""
+
+    def __init__(self, url: str, base: Path, run_name: str) -> None:
+        self.url, self.base, self.run_name = url, base, run_name
+        self.source = base / "source"
+        for n in range(LOAD_FILES):
+            write_random(self.source / f"part-{n}.bin", LOAD_FILE_BYTES)
+        self.registered = 0
+        self.durable = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-load", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _copy(self, step: int) -> Path:
+        target = self.base / f"step-{step}"
+        target.mkdir(parents=True, exist_ok=True)
+        for source in self.source.iterdir():
+            os.link(source, target / source.name)
+        return target
+
+    def _loop(self) -> None:
+        pending: list[int] = []
+        step = 0
+        with CheckpointClient(self.url) as client:
+            while not self._stop.is_set():
+                try:
+                    still: list[int] = []
+                    for s in pending:
+                        state = client.get(self.run_name, s).state
+                        if state in ("durable", "replicated", "deleted"):
+                            self.durable += 1
+                        elif state == "failed":
+                            self.errors.append(f"{self.run_name}:{s} failed")
+                        else:
+                            still.append(s)
+                    pending = still
+                    while len(pending) < IN_FLIGHT:
+                        step += 1
+                        client.register(self.run_name, step, self._copy(step))
+                        self.registered += 1
+                        pending.append(step)
+                except Exception as exc:  # reported, the measurement goes on
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                self._stop.wait(0.1)
+
+
+def _server_times(log_path: Path, request_id: str) -> dict[str, list[float]]:
+    """The agent's own duration of each register and `latest` sent with
+    ``request_id``, from its request log (JSON lines), in order."""
+    out: dict[str, list[float]] = {"register": [], "latest": []}
+    for line in log_path.read_text(errors="replace").splitlines():
+        if request_id not in line or "duration_ms" not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("request_id") != request_id:
+            continue
+        path = str(entry.get("path", ""))
+        if entry.get("method") == "POST" and path == "/v1/checkpoints":
+            out["register"].append(float(entry["duration_ms"]))
+        elif entry.get("method") == "GET" and path.endswith("/latest"):
+            out["latest"].append(float(entry["duration_ms"]))
+    return out
+
+
+def _timed(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, list[float]]:
+    source = base / "tiny.bin"
+    write_random(source, TINY_BYTES)
+    samples: dict[str, list[float]] = {"register": [], "latest": []}
+    request_id = f"bench-timed-{run_name}"
+    with CheckpointClient(agent.url) as client:
+        # Tags the timed requests in the agent's request log (the load's are not).
+        client._http.headers["x-request-id"] = request_id
+        for step in range(1, WARMUP + count + 1):
+            # A directory per step: T0 eviction removes older steps' files.
+            tiny = base / f"step-{step}"
+            tiny.mkdir(parents=True)
+            os.link(source, tiny / "model.bin")
+            began = time.perf_counter()
+            answer = client.register(run_name, step, tiny)
+            registered = time.perf_counter()
+            client.latest(run_name)
+            ended = time.perf_counter()
+            if answer.state != "registered":
+                raise RuntimeError(f"register {run_name}:{step} answered {answer.state}")
+            if step > WARMUP:
+                samples["register"].append((registered - began) * 1000)
+                samples["latest"].append((ended - registered) * 1000)
+    server = _server_times(agent.log_path, request_id)
+    for kind in list(samples):
+        samples[f"server_{kind}"] = server[kind][WARMUP:]
+    return samples
+
+
+def _catalogs() -> list[str]:
+    """SQLite always; PostgreSQL when a server is reachable (devsupport.postgres)."""
+    return ["SQLite", "PostgreSQL"] if pg.postgres_available() else ["SQLite"]
+
+
+def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
+    count = 100 if ctx.quick else 300
+    reps = max(1, min(ctx.reps, 2 if ctx.quick else 3))
+    results: dict[str, dict[str, list[dict[str, list[float]]]]] = {}
+    load_totals: dict[str, Any] = {}
+    with _tmpfs_seaweed(ctx) as (store, store_dir):
+        for catalog_name in _catalogs():
+            databases: list[str] = []
+            try:
+                per_mode: dict[str, list[dict[str, list[float]]]] = {"idle": [], "load": []}
+                for mode in ("idle", "load"):
+                    url = None
+                    if catalog_name == "PostgreSQL":
+                        url = pg.create_temp_database(pg.postgres_admin_url())
+                        databases.append(url)
+                    name = f"lat-{catalog_name.lower()}-{mode}"
+                    agent = _loaded_agent(ctx, name, store, url, worker=mode == "load")
+                    load: _Load | None = None
+                    try:
+                        if mode == "load":
+                            load = _Load(agent.url, ctx.ssd / name / "load", "bench-load")
+                            load.start()
+                            time.sleep(3.0)  # uploads, commits and replication under way
+                        for rep in range(reps):
+                            samples = _timed(
+                                agent, ctx.ssd / name / f"rep{rep}", f"bench-tiny-{rep}", count
+                            )
+                            per_mode[mode].append(samples)
+                            log(
+                                f"register latency {catalog_name} {mode} rep {rep + 1}/{reps}: "
+                                f"p50 {percentile(samples['register'], 50):.1f} ms, p99 "
+                                f"{percentile(samples['register'], 99):.1f} ms, max "
+                                f"{max(samples['register']):.1f} ms; latest p99 "
+                                f"{percentile(samples['latest'], 99):.1f} ms"
+                            )
+                    finally:
+                        if load is not None:
+                            load.stop()
+                            load_totals[catalog_name] = {
+                                "load_registered": load.registered,
+                                "load_durable": load.durable,
+                                "load_errors": load.errors[:10],
+                            }
+                        ctx.stop_agent(agent)
+                results[catalog_name] = per_mode
+            finally:
+                for url in databases:
+                    pg.drop_database(url, pg.postgres_admin_url())
+
+    rows: list[dict[str, Any]] = []
+    figures: dict[str, Callable[[list[float]], float]] = {
+        "p50": lambda values: percentile(values, 50),
+        "p99": lambda values: percentile(values, 99),
+        "max": max,
+    }
+    labels = {"idle": "idle (worker off)", "load": "under upload load (worker on)"}
+    for catalog_name, per_mode in results.items():
+        for call in ("register", "latest"):
+            for mode in ("load", "idle"):
+                for metric, figure in figures.items():
+                    client_values = [figure(s[call]) for s in per_mode[mode]]
+                    server_values = [
+                        figure(s[f"server_{call}"]) for s in per_mode[mode] if s[f"server_{call}"]
+                    ]
+                    server_note = (
+                        f"agent's own: {percentile(server_values, 50):.1f} ms"
+                        if server_values
+                        else ""
+                    )
+                    target = (
+                        f"target ≤ {TARGET_P99_MS:.0f} ms; "
+                        if mode == "load" and metric == "p99"
+                        else ""
+                    )
+                    rows.append(
+                        row(
+                            f"{catalog_name} {call}, {labels[mode]}",
+                            metric,
+                            "ms",
+                            client_values,
+                            note=f"{target}{server_note}",
+                        )
+                    )
+    notes = [
+        f"target: register and latest p99 ≤ {TARGET_P99_MS:.0f} ms under upload load, "
+        "on SQLite and on PostgreSQL.",
+        f"under load: {count} sequential register + latest of a {TINY_BYTES}-byte checkpoint per "
+        f"round, {reps} round(s), after {WARMUP} warm-up; meanwhile {IN_FLIGHT} checkpoints of "
+        f"{LOAD_FILES} × {LOAD_FILE_BYTES // MiB} MiB stay registered and not yet durable "
+        "(two regions: upload, commit, replication; retention keep_last 4 and the scrubber "
+        "every 2 s). The S3 server's data is on a tmpfs "
+        f"({store_dir}), not the agent's disk.",
+        "idle: the same agent configuration with TIERCKPT_WORKER__ENABLED=false.",
+        "`agent's own`: the median over rounds of the agent's request-log duration for the "
+        "same requests (the rest of the client figure is HTTP and the client's own scan).",
+        f"load thread: {json.dumps(load_totals)}",
+    ]
+    return rows, notes, {"count": count, "rounds": results, "load": load_totals}
+
+
+# -- idle, by size -----------------------------------------------------------------
+
+
+def _by_size(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
     count = 50 if ctx.quick else 200
     base = ctx.ssd / "latency"
     small = base / "small"
@@ -83,51 +378,39 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         ctx.stop_agent(agent)
 
     rows: list[dict[str, Any]] = []
-    for pct in (50, 99):
+    figures: dict[str, Callable[[list[float]], float]] = {
+        "p50": lambda values: percentile(values, 50),
+        "p99": lambda values: percentile(values, 99),
+        "max": max,
+    }
+    for metric, figure in figures.items():
         by_size = {
-            kind: [percentile(samples[kind], pct) for samples in rounds]
-            for kind in ("small", "large")
+            kind: [figure(samples[kind]) for samples in rounds] for kind in ("small", "large")
         }
-        rows.append(row("1 MiB checkpoint", f"p{pct}", "ms", by_size["small"]))
+        rows.append(row("idle (worker off): 1 MiB checkpoint", metric, "ms", by_size["small"]))
         rows.append(
             row(
-                "10 GiB checkpoint (sparse)",
-                f"p{pct}",
+                "idle (worker off): 10 GiB checkpoint (sparse)",
+                metric,
                 "ms",
                 by_size["large"],
                 ratio_label="large / small",
                 ratio_values=ratios(by_size["large"], by_size["small"]),
-                note="10240× the bytes",
+                note="" if metric == "max" else "10240× the bytes",
             )
         )
-    maxima = {kind: [max(samples[kind]) for samples in rounds] for kind in ("small", "large")}
-    rows.append(row("1 MiB checkpoint", "max", "ms", maxima["small"]))
-    rows.append(
-        row(
-            "10 GiB checkpoint (sparse)",
-            "max",
-            "ms",
-            maxima["large"],
-            ratio_label="large / small",
-            ratio_values=ratios(maxima["large"], maxima["small"]),
-        )
-    )
-    return {
-        "rows": rows,
-        "notes": [
-            f"{count} registrations per size per round, {ctx.reps} rounds, after {WARMUP} "
-            "warm-up each; sync CheckpointClient.register over keep-alive HTTP, SQLite catalog.",
-            "Separate agent with TIERCKPT_WORKER__ENABLED=false: nothing uploads during the "
-            f"test (the sparse file has {allocated} bytes allocated on disk).",
-            "Sequential client: each registration is a group-commit batch of its own, so this "
-            "is one catalog transaction including its fsync (SQLite synchronous=FULL).",
-        ],
-        "details": {
-            "registrations_per_round": count,
-            "rounds": rounds,
-            "large_bytes": LARGE_BYTES,
-            "large_allocated_bytes": allocated,
-            "small_bytes": SMALL_BYTES,
-            "large_total_bytes_in_catalog": detail.total_bytes,
-        },
+    notes = [
+        f"by size: {count} registrations per size per round, {ctx.reps} rounds, after {WARMUP} "
+        "warm-up each; sync CheckpointClient.register over keep-alive HTTP, SQLite catalog, "
+        "a separate agent with TIERCKPT_WORKER__ENABLED=false (the sparse file has "
+        f"{allocated} bytes allocated on disk).",
+    ]
+    details = {
+        "registrations_per_round": count,
+        "rounds": rounds,
+        "large_bytes": LARGE_BYTES,
+        "large_allocated_bytes": allocated,
+        "small_bytes": SMALL_BYTES,
+        "large_total_bytes_in_catalog": detail.total_bytes,
     }
+    return rows, notes, details

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.support import postgres as pg
+from devsupport import postgres as pg
 
 from ..context import BenchContext, log
 from ..stats import percentile, row
@@ -156,7 +156,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     finally:
         pg.drop_database(shared_db, admin)
         pg.drop_database(single_db, admin)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for key, label in setups.items():
         rows.append(
             row(
@@ -173,7 +173,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         "rows": rows,
         "notes": [
             f"non-202 answers: {failures}",
-            "target (issue 6): ≥ 500 registrations/s with 64 concurrent clients",
+            "target: ≥ 500 registrations/s with 64 concurrent clients",
             "group commit: one catalog transaction (one fsync) per batch of the "
             "registrations pending at the agent; each is answered after that commit",
         ],

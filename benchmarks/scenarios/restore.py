@@ -47,7 +47,7 @@ from tierckpt.client import CheckpointClient, TransferOptions
 from ..context import REGION_PREFIX, BenchContext, log, settle
 from ..data import MiB, link_copy
 from ..procstat import cpu_seconds, self_cpu_seconds
-from ..stats import GB, MB, ratios, row
+from ..stats import GB, MB, compared_rows
 
 NAME = "restore"
 TITLE = "Restore: tierckpt restore vs boto3 download_file (MB/s, higher is better)"
@@ -146,31 +146,29 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         for relative, _, _ in files:
             boto3_one(s3, dest, relative)
 
+    def boto3_checked(client: Any, dest: Path, relative: str, sha: str, *, fsync: bool) -> None:
+        """Download, then re-read the file for its SHA-256 (and fsync it)."""
+        target = boto3_one(client, dest, relative)
+        if _sha256(target) != sha:
+            raise RuntimeError(f"{relative}: SHA-256 mismatch after download")
+        if fsync:
+            _fsync(target)
+
     def boto3_verified(dest: Path) -> None:
         for relative, _, sha in files:
-            if _sha256(boto3_one(s3, dest, relative)) != sha:
-                raise RuntimeError(f"{relative}: SHA-256 mismatch after download")
+            boto3_checked(s3, dest, relative, sha, fsync=False)
 
     def boto3_durable(dest: Path) -> None:
         for relative, _, sha in files:
-            target = boto3_one(s3, dest, relative)
-            if _sha256(target) != sha:
-                raise RuntimeError(f"{relative}: SHA-256 mismatch after download")
-            _fsync(target)
+            boto3_checked(s3, dest, relative, sha, fsync=True)
 
     def boto3_pool(dest: Path) -> None:
         with ThreadPoolExecutor(max_workers=POOL_FILES) as executor:
             list(executor.map(lambda f: boto3_one(pooled, dest, f[0]), files))
 
-    def boto3_pool_durable_one(dest: Path, relative: str, sha: str) -> None:
-        target = boto3_one(pooled, dest, relative)
-        if _sha256(target) != sha:
-            raise RuntimeError(f"{relative}: SHA-256 mismatch after download")
-        _fsync(target)
-
     def boto3_pool_durable(dest: Path) -> None:
         with ThreadPoolExecutor(max_workers=POOL_FILES) as executor:
-            list(executor.map(lambda f: boto3_pool_durable_one(dest, f[0], f[2]), files))
+            list(executor.map(lambda f: boto3_checked(pooled, dest, f[0], f[2], fsync=True), files))
 
     measures: dict[str, Measure] = {
         "tierckpt": tierckpt,
@@ -202,51 +200,20 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         restorer.close()
 
     mbps = {name: [total / r["seconds"] / MB for r in results[name]] for name in names}
-    rows = [
-        row(
-            "tierckpt",
-            "throughput",
-            "MB/s",
-            mbps["tierckpt"],
-            note=f"{TransferOptions().range_size // MiB} MiB ranged GETs "
-            f"×{TransferOptions().concurrency} (direct reader), SHA-256 verified, "
-            "fsync + atomic rename",
-        )
-    ]
     notes = {
+        "tierckpt": f"{TransferOptions().range_size // MiB} MiB ranged GETs "
+        f"×{TransferOptions().concurrency} (direct reader), SHA-256 verified, "
+        "fsync + atomic rename",
         "boto3 default": "no hash check, no fsync",
         "boto3 + sha256": "hash re-read after download; no fsync",
         "boto3 + sha256 + fsync": "hash re-read, then fsync each file: same guarantees",
         f"boto3 pool×{POOL_FILES}": "no hash check, no fsync",
         f"boto3 pool×{POOL_FILES} + sha256 + fsync": "hash re-read, fsync: same guarantees",
     }
-    for name in names[1:]:
-        rows.append(
-            row(
-                name,
-                "throughput",
-                "MB/s",
-                mbps[name],
-                ratio_label="tierckpt / this",
-                ratio_values=ratios(mbps["tierckpt"], mbps[name]),
-                note=notes[name],
-            )
-        )
+    rows = compared_rows("throughput", "MB/s", mbps, notes)
     gigabytes = total / GB
-    tier_cpu = [r["cpu_bench"] / gigabytes for r in results["tierckpt"]]
-    for name in names:
-        mine = [r["cpu_bench"] / gigabytes for r in results[name]]
-        rows.append(
-            row(
-                name,
-                "client CPU",
-                "s/GB",
-                mine,
-                ratio_label="tierckpt / this" if name != "tierckpt" else None,
-                ratio_values=ratios(tier_cpu, mine) if name != "tierckpt" else None,
-                note="this process, all threads",
-            )
-        )
+    cpu = {name: [r["cpu_bench"] / gigabytes for r in results[name]] for name in names}
+    rows += compared_rows("client CPU", "s/GB", cpu, {}, default_note="this process, all threads")
     return {
         "rows": rows,
         "notes": [

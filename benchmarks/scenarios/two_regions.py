@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-from tests.support.seaweed import SeaweedServer
+from devsupport.seaweed import SeaweedServer
 from tierckpt.client import CheckpointClient
 
-from ..context import BUCKET, REGION_PREFIX, VOLUME_SIZE_LIMIT_MB, BenchContext, log, settle
+from ..context import BUCKET, VOLUME_SIZE_LIMIT_MB, BenchContext, log, s3_region, settle
 from ..data import link_copy
 from ..stats import MB, row
 
@@ -28,18 +28,6 @@ TITLE = "Two regions: register → replicated vs register → durable (one regio
 REQUIRES: list[str] = []
 RUN = "bench-two-regions"
 TIMEOUT = 600
-
-
-def _region(name: str, seaweed: SeaweedServer) -> dict[str, Any]:
-    return {
-        "name": name,
-        "kind": "s3",
-        "endpoint_url": seaweed.endpoint_url,
-        "bucket": BUCKET,
-        "prefix": REGION_PREFIX,
-        "access_key_id": "tierckpt",
-        "secret_access_key": "tierckpt-secret",
-    }
 
 
 def _until(url: str, run: str, step: int, state: str) -> dict[str, Any]:
@@ -67,7 +55,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     try:
         west.create_bucket(BUCKET)
         two = ctx.start_agent(
-            "two-regions", regions=[_region("east", ctx.seaweed), _region("west", west)]
+            "two-regions", regions=[s3_region("east", ctx.seaweed), s3_region("west", west)]
         )
         one_region: list[float] = []
         replicated: list[float] = []
@@ -129,7 +117,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
                 note="west: another SeaweedFS server, filled from T0 in parallel (fan-out)",
             ),
         ],
-        "notes": ["target (issue 6): two regions ≤ 1.3× one region"],
+        "notes": ["target: two regions ≤ 1.3× one region"],
         "details": {
             "one_region_s": one_region,
             "replicated_s": replicated,

@@ -21,7 +21,7 @@ shared machine hits them all alike), each time to a fresh step / key prefix:
 With ``--quick`` only ``tierckpt`` and ``boto3 default`` (the target's
 baseline) run.
 
-The boto3 client is ``tests.support.seaweed.boto3_client`` (CRC checksums
+The boto3 client is ``devsupport.seaweed.boto3_client`` (CRC checksums
 only when required), as a user of a third-party store configures it.
 The CPU figures measured here are reported by the ``cpu`` scenario.
 """
@@ -41,7 +41,7 @@ from tierckpt.client import CheckpointClient
 from ..context import BASELINE_PREFIX, BenchContext, log, settle
 from ..data import Dataset, MiB, link_copy, write_random
 from ..procstat import cpu_seconds, memory_kib, self_cpu_seconds
-from ..stats import MB, percentile, ratios, row
+from ..stats import MB, compared_rows, percentile, ratios, row
 
 NAME = "upload"
 TITLE = "Upload: tierckpt register → durable vs boto3 upload_file (MB/s, higher is better)"
@@ -298,28 +298,16 @@ def run(ctx: BenchContext) -> dict[str, Any]:
 
     size = ctx.dataset.total_bytes
     mbps = {name: [size / r["seconds"] / MB for r in results[name]] for name in names}
-    rows = [
-        row(
-            "tierckpt",
-            "throughput",
-            "MB/s",
-            mbps["tierckpt"],
-            note="register round trip + catalog created_at → durable_at; + SHA-256 of "
-            "every file, MANIFEST.json, catalog rows",
-        )
-    ]
-    for name in names[1:]:
-        rows.append(
-            row(
-                name,
-                "throughput",
-                "MB/s",
-                mbps[name],
-                ratio_label="tierckpt / this",
-                ratio_values=ratios(mbps["tierckpt"], mbps[name]),
-                note="no content hash kept, no manifest, no catalog",
-            )
-        )
+    rows = compared_rows(
+        "throughput",
+        "MB/s",
+        mbps,
+        {
+            "tierckpt": "register round trip + catalog created_at → durable_at; + SHA-256 of "
+            "every file, MANIFEST.json, catalog rows"
+        },
+        default_note="no content hash kept, no manifest, no catalog",
+    )
     client_seen = [size / r["client_seconds"] / MB for r in results["tierckpt"]]
     rows.append(
         row(

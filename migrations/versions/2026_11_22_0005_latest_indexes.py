@@ -2,8 +2,8 @@
 
 `latest` (and every checkpoint detail) lists the checkpoint's children,
 found by their parent; without this index that is a full scan of the
-checkpoints table (~20 ms at 100,000 checkpoints, the largest part of a
-`latest` answer).
+checkpoints table, growing with the catalog and the largest part of a
+`latest` answer.
 
 Revision ID: 2026_11_22_0005
 Revises: 2026_11_22_0004

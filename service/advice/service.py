@@ -36,12 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints import repository as repo
 from ..errors import BadInput, Conflict, NotFound
-from ..models import Checkpoint
+from . import repository as timings
 from .schemas import AdviceOut, Basis, Interval, Observed, Sample, Scenario
 
 HOUR = 3600.0
@@ -268,18 +267,7 @@ class AdviceService:
         return answer
 
     async def _recent(self, run_id: int, window: int) -> list[Point]:
-        rows = await self.session.execute(
-            select(
-                Checkpoint.step,
-                Checkpoint.created_at,
-                Checkpoint.durable_at,
-                Checkpoint.write_seconds,
-                Checkpoint.priority,
-            )
-            .where(Checkpoint.run_id == run_id)
-            .order_by(Checkpoint.created_at.desc(), Checkpoint.id.desc())
-            .limit(window)
-        )
+        rows = await timings.recent_timings(self.session, run_id, window)
         return [
             Point(
                 step=step,

@@ -13,22 +13,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..models import Checkpoint, File, Run, Shard, ShardState
 from ..storage import layout
-from ..uploads.manifest import ManifestFile, build_manifest
-
-
-@dataclass(frozen=True)
-class StoredObject:
-    rank: int
-    path: str
-    key: str
-    size: int
-    sha256: str | None
+from ..storage.manifest import ObjectEntry, build_manifest
 
 
 @dataclass(frozen=True)
 class Contents:
     run: str
-    objects: list[StoredObject]
+    objects: list[ObjectEntry]  # sha256 "" where the catalog has none yet
     complete: bool  # every rank uploaded and every file hashed
 
     def manifest(self, checkpoint: Checkpoint) -> bytes:
@@ -43,7 +34,7 @@ class Contents:
             metrics=checkpoint.metrics,
             metadata=checkpoint.meta,
             created_at=checkpoint.created_at,
-            files=[ManifestFile(o.rank, o.path, o.size, o.sha256 or "") for o in self.objects],
+            files=self.objects,
         )
 
     def manifest_key(self, checkpoint: Checkpoint) -> str:
@@ -66,13 +57,7 @@ async def load_contents(session: AsyncSession, checkpoint: Checkpoint) -> Conten
         row.state == ShardState.UPLOADED and row.sha256 is not None for row in rows
     )
     objects = [
-        StoredObject(
-            rank=row.rank,
-            path=row.path,
-            key=layout.object_key(run.name, checkpoint.step, row.rank, row.path),
-            size=row.size,
-            sha256=row.sha256,
-        )
+        ObjectEntry.of(run.name, checkpoint.step, row.rank, row.path, row.size, row.sha256 or "")
         for row in rows
     ]
     return Contents(run=run.name, objects=objects, complete=complete)

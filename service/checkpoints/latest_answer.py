@@ -4,18 +4,17 @@
 two statements in one hop to a database thread on SQLite (or one greenlet
 run on PostgreSQL), and its answer is written here as a plain dict and
 serialized once, without building the response models (about a tenth of its
-CPU). The shape is the documented `LatestOut` (schemas.py), field for field
-and in its order; the tests hold the two together (each answer validates as a
-LatestOut that serializes back to the same JSON, and equals the checkpoint's
-detail view).
+CPU). The document is presenter.latest_document's, the documented `LatestOut`
+(schemas.py) field for field and in its order; the tests hold the two together
+(each answer validates as a LatestOut that serializes back to the same JSON,
+and equals the checkpoint's detail view).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,79 +23,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import BadInput, NotFound
-from ..models import ReplicaState
 from ..resources import Resources
 from . import repository as repo
-from .repository import CatalogRow, LatestRows, ReplicaRow
-from .schemas import _iso
-from .state import replication_lag
-
-
-def _replica(checkpoint: CatalogRow, replica: ReplicaRow) -> dict[str, Any]:
-    return {
-        "region": replica.region,
-        "state": replica.state,
-        "uri": replica.uri,
-        "verified_at": _iso(replica.verified_at),
-        "committed_at": _iso(replica.committed_at),
-        "error": replica.error,
-        "lag_seconds": replication_lag(checkpoint, replica),
-    }
-
-
-def latest_document(
-    run: str, rows: LatestRows, regions: Sequence[str], local: dict[str, str] | None
-) -> dict[str, Any]:
-    c = rows.checkpoint
-    order = {name: i for i, name in enumerate(regions)}
-    replicas = sorted(rows.replicas, key=lambda r: order.get(r.region, len(order)))
-    return {
-        "run": run,
-        "step": c.step,
-        "state": c.state,
-        "world_size": c.world_size,
-        "epoch": c.epoch,
-        "priority": c.priority,
-        "metrics": {name: float(value) for name, value in (c.metrics or {}).items()},
-        "metadata": c.meta or {},
-        "parent": {"run": c.parent_run, "step": c.parent_step}
-        if c.parent_run is not None and c.parent_step is not None
-        else None,
-        "children": [{"run": name, "step": step} for name, step in rows.children],
-        "created_at": _iso(c.created_at),
-        "durable_at": _iso(c.durable_at),
-        "error": c.error,
-        "total_bytes": c.total_bytes,
-        "file_count": c.file_count,
-        "write_seconds": None if c.write_seconds is None else float(c.write_seconds),
-        "pinned": bool(c.pinned),
-        "quarantined_at": _iso(c.quarantined_at),
-        "quarantine_reason": c.quarantine_reason,
-        "deleted_at": _iso(c.deleted_at),
-        "deleted_reason": c.deleted_reason,
-        "shards": [
-            {"rank": s.rank, "node": s.node, "path": s.path, "state": s.state, "error": s.error}
-            for s in rows.shards
-        ],
-        "files": [
-            {"rank": f.rank, "path": f.file_path, "size": f.file_size, "sha256": f.file_sha256}
-            for f in rows.files
-        ],
-        "replicas": [_replica(c, r) for r in replicas],
-        "jobs": None,
-        "locations": [
-            {"region": r.region, "uri": r.uri}
-            for r in replicas
-            if r.state == ReplicaState.COMMITTED
-        ],
-        "local": local,
-    }
-
-
-def to_json(document: dict[str, Any]) -> bytes:
-    # Compact and UTF-8, as pydantic writes the models.
-    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
-
+from .presenter import Listing, latest_document, to_json
+from .repository import LatestRows
 
 T = TypeVar("T")
 
@@ -131,7 +61,14 @@ async def latest_json(
             f"run {run!r} has no valid checkpoint{where} yet", code="no_valid_checkpoint"
         )
     local = await _local_copy(resources, rows, node)
-    return to_json(latest_document(run, rows, list(resources.stores), local))
+    listing = Listing(
+        shards=rows.shards,
+        replicas=rows.replicas,
+        children=rows.children,
+        files=rows.files,
+        regions=list(resources.stores),
+    )
+    return to_json(latest_document(run, rows.checkpoint, listing, local))
 
 
 async def read_latest_rows(
@@ -144,7 +81,7 @@ async def read_latest_rows(
     """The catalog read behind `latest` (the benchmark times it alone too).
 
     SQLite (``readers``): through aiosqlite every statement costs several
-    thread hand-offs (~46 per answer once, most of its CPU); the read runs
+    thread hand-offs (dozens per answer, most of its CPU), so the read runs
     whole in one hop on the agent's plain-sqlite read engine, in one
     snapshot. PostgreSQL: on ``maker``'s pool, once more after a disconnect."""
     if readers is not None:

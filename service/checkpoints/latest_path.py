@@ -29,8 +29,8 @@ from urllib.parse import parse_qsl
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..auth import Action, authenticate, authorize
-from ..deps import RUN_NAME
 from ..errors import ApiError, catalog_unavailable, is_catalog_outage
+from ..names import RUN_NAME
 from ..resources import Resources
 from .latest_answer import latest_json
 

@@ -87,6 +87,28 @@ async def files_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[int,
     return [(rank, file) for rank, file in rows]
 
 
+# A file with its shard's rank, by the names the answers read (presenter.py).
+FILE_COLUMNS = (
+    Shard.rank,
+    File.path.label("file_path"),
+    File.size.label("file_size"),
+    File.sha256.label("file_sha256"),
+)
+# A row of FILE_COLUMNS (or of _SHARD_FILE_COLUMNS), read by attribute.
+FileRow = Any
+
+
+async def file_rows(session: AsyncSession, checkpoint_id: int) -> Sequence[FileRow]:
+    """The checkpoint's files as FILE_COLUMNS rows, by rank then path."""
+    rows = await session.execute(
+        select(*FILE_COLUMNS)
+        .join(File, File.shard_id == Shard.id)
+        .where(Shard.checkpoint_id == checkpoint_id)
+        .order_by(Shard.rank, File.path)
+    )
+    return rows.all()
+
+
 async def children_of(session: AsyncSession, run: str, step: int) -> list[tuple[str, int]]:
     rows = await session.execute(children_statement(run, step))
     return [(name, child_step) for name, child_step in rows]
@@ -154,16 +176,16 @@ def _latest_valid_statement(
 # Built once, with bound parameters, selecting columns rather than entities:
 # profiled at 100,000 checkpoints, building the statements on every call (and
 # their cache keys) and loading ORM entities cost as much CPU as everything
-# else in a `latest` answer. One statement on PostgreSQL, two on SQLite, not
-# four: on PostgreSQL every statement is a round trip and a wake-up of the
-# server, and those were most of the latency. Rows come back as named tuples
-# whose attributes are the ORM's names (checkpoint metadata is labelled `meta`).
+# else in a `latest` answer. One statement on PostgreSQL, two on SQLite: on
+# PostgreSQL every statement is a round trip and a wake-up of the server, most
+# of a read's latency. Rows come back as named tuples whose attributes are the
+# ORM's names (checkpoint metadata is labelled `meta`).
 _CHECKPOINT_COLUMNS = [
     column.label("meta") if column.key == "metadata" else column
     for column in Checkpoint.__table__.c
 ]
 _RUN_ID = select(Run.id).where(Run.name == bindparam("run")).scalar_subquery()
-# Run names are [A-Za-z0-9._-] (RUN_NAME), so "name:step" joined by "," is
+# Run names are [A-Za-z0-9._-] (names.py), so "name:step" joined by "," is
 # parsed back unambiguously: the children ride along in one column.
 CHILD_SEPARATOR, CHILD_STEP_SEPARATOR = ",", ":"
 
@@ -206,12 +228,10 @@ def _latest_statement(with_region: bool, with_contents: bool = False) -> Select[
     ``with_contents`` (PostgreSQL only): plus a `contents` column, the shards
     and their files as one JSON array of ShardFileRow-shaped arrays (by rank,
     then path), aggregated once per answer in a lateral subquery. One
-    statement instead of two: measured in process at 100,000 checkpoints,
-    p50 2.5 -> 1.9 ms and the agent's CPU 1.6 -> 1.0 ms per read, since every
-    statement through asyncpg is a round trip, a wake-up of the server and
-    ~0.3 ms of driver and SQLAlchemy work. SQLite keeps two statements: it
-    runs in process (no round trip), and its aggregates take no ORDER BY
-    before 3.44."""
+    statement instead of two, since every statement through asyncpg is a
+    round trip, a wake-up of the server and a share of driver and SQLAlchemy
+    work of its own. SQLite keeps two statements: it runs in process (no
+    round trip), and its aggregates take no ORDER BY before 3.44."""
     latest = _latest_valid_statement(
         Checkpoint.run_id == _RUN_ID,
         bindparam("min_regions"),

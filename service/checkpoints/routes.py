@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response
 
 from ..auth import Action, Principal, authenticate, authorize
-from ..deps import CheckpointServiceDep, PrincipalDep
+from ..deps import AgentDep, CheckpointServiceDep, PrincipalDep, RegistrationsDep
 from ..models import CheckpointState
 from ..resources import Resources
 from .latest_answer import latest_json
@@ -21,7 +21,7 @@ from .schemas import (
     RegisterRequest,
     RestorePlan,
 )
-from .service import CheckpointService, submit_registration
+from .service import register
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"])
 
@@ -45,18 +45,16 @@ async def register_checkpoint(
     body: RegisterRequest,
     request: Request,
     principal: Annotated[Principal, Depends(_caller)],
+    registrations: RegistrationsDep,
+    agent: AgentDep,
 ) -> Response:
     authorize(principal, Action.WRITE, body.run)
-    resources: Resources = request.app.state.resources
-    outcome = await submit_registration(resources, body)
-    checkpoint = outcome.record
-    if checkpoint is None:
-        # It existed before (another rank, a re-register): read it back.
-        async with resources.sessionmaker() as session:
-            checkpoint = await CheckpointService(session, resources).registered(body, outcome)
+    checkpoint, created = await register(
+        request.app.state.resources, registrations, body, agent.drain
+    )
     return Response(
         checkpoint.model_dump_json(),
-        status_code=202 if outcome.created else 200,
+        status_code=202 if created else 200,
         media_type="application/json",
     )
 

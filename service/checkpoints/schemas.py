@@ -16,7 +16,8 @@ from pydantic import (
     model_validator,
 )
 
-RUN_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+from ..names import NAME_CHARS, RUN_PATTERN, not_a_dot_segment
+
 MAX_STEP = 2**62
 MAX_METADATA_BYTES = 64 * 1024
 MAX_METRICS = 256
@@ -27,19 +28,11 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _not_a_dot_segment(run: str) -> str:
-    # "." and ".." match the character class but would be path segments in
-    # object keys (a POSIX region would leave its prefix): refused outright.
-    if run in (".", ".."):
-        raise ValueError("run must not be '.' or '..'")
-    return run
-
-
 class CheckpointRef(StrictModel):
     run: str = Field(pattern=RUN_PATTERN)
     step: int = Field(ge=0, le=MAX_STEP)
 
-    _run_not_dots = field_validator("run")(_not_a_dot_segment)
+    _run_not_dots = field_validator("run")(not_a_dot_segment)
 
 
 class ClientFileHash(StrictModel):
@@ -48,7 +41,7 @@ class ClientFileHash(StrictModel):
 
 
 class RegisterRequest(StrictModel):
-    run: str = Field(pattern=RUN_PATTERN, description="[A-Za-z0-9._-]{1,128}")
+    run: str = Field(pattern=RUN_PATTERN, description=NAME_CHARS)
     step: int = Field(ge=0, le=MAX_STEP)
     path: str = Field(min_length=1, max_length=4096)
     rank: int = Field(0, ge=0)
@@ -61,7 +54,7 @@ class RegisterRequest(StrictModel):
     priority: Literal["normal", "urgent"] = "normal"
     write_seconds: float | None = Field(None, ge=0, le=86400 * 30)
 
-    _run_not_dots = field_validator("run")(_not_a_dot_segment)
+    _run_not_dots = field_validator("run")(not_a_dot_segment)
 
     @field_validator("metrics")
     @classmethod
@@ -89,7 +82,7 @@ class RegisterRequest(StrictModel):
         return self
 
 
-def _iso(value: datetime | None) -> str | None:
+def iso_timestamp(value: datetime | None) -> str | None:
     if value is None:
         return None
     if value.tzinfo is not None:  # parsed back from our own output
@@ -125,7 +118,7 @@ class ReplicaOut(BaseModel):
 
     @field_serializer("verified_at", "committed_at")
     def _ts(self, value: datetime | None) -> str | None:
-        return _iso(value)
+        return iso_timestamp(value)
 
 
 class JobOut(BaseModel):
@@ -173,7 +166,7 @@ class CheckpointOut(BaseModel):
 
     @field_serializer("created_at", "durable_at", "quarantined_at", "deleted_at")
     def _ts(self, value: datetime | None) -> str | None:
-        return _iso(value)
+        return iso_timestamp(value)
 
 
 class LocationOut(BaseModel):
@@ -229,7 +222,7 @@ class LineageNode(BaseModel):
 
     @field_serializer("created_at")
     def _ts(self, value: datetime | None) -> str | None:
-        return _iso(value)
+        return iso_timestamp(value)
 
 
 class LineageOut(BaseModel):

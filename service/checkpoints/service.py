@@ -3,44 +3,40 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 from collections import defaultdict
 from urllib.parse import quote
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..db import reading
+from ..draining import DrainState
 from ..errors import BadInput, Conflict, NotFound
+from ..jobs.kinds import enqueue_delete, enqueue_verify
 from ..models import (
     PRIORITY,
     Checkpoint,
     CheckpointState,
-    Replica,
     ReplicaState,
-    Shard,
     utcnow,
 )
 from ..observability import metrics
 from ..resources import Resources
 from ..storage import layout
+from ..storage.manifest import shard_fingerprint
 from . import repository as repo
-from .batching import Outcome, Registration, batcher_for
+from .batch_write import Outcome, Registration
+from .batching import RegistrationBatcher
+from .presenter import Listing, checkpoint_out
 from .scan import ScannedShard, ScanTooLarge, scan
 from .schemas import (
     CheckpointOut,
-    FileOut,
-    JobOut,
     LineageNode,
     LineageOut,
     PlanFile,
     PlanSource,
-    RefOut,
     RegisterRequest,
-    ReplicaOut,
     RestorePlan,
-    ShardOut,
 )
-from .state import replication_lag
 
 # A directory with at most this many entries is listed on the event loop
 # (tens of microseconds); a larger one in a worker thread.
@@ -49,8 +45,7 @@ INLINE_SCAN_ENTRIES = 64
 
 def fingerprint(shard: ScannedShard, hashes: dict[str, str]) -> str:
     """Identity of a registration's content: same files, sizes, mtimes, hashes."""
-    entries = [[f.path, f.size, f.mtime_ns, hashes.get(f.path)] for f in shard.files]
-    return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
+    return shard_fingerprint([f.path, f.size, f.mtime_ns, hashes.get(f.path)] for f in shard.files)
 
 
 async def scan_checkpoint(resources: Resources, path: str) -> ScannedShard:
@@ -74,15 +69,60 @@ async def scan_checkpoint(resources: Resources, path: str) -> ScannedShard:
         )
 
 
-async def submit_registration(resources: Resources, request: RegisterRequest) -> Outcome:
+def _client_hashes(request: RegisterRequest, scanned: ScannedShard) -> dict[str, str]:
+    """The client's sha256 of each named file; refuses a file not in the scan."""
+    if not request.files:
+        return {}
+    known = {f.path for f in scanned.files}
+    hashes: dict[str, str] = {}
+    for entry in request.files:
+        path = entry.path.strip("/")
+        if path not in known:
+            raise BadInput(
+                f"files[].path {entry.path!r} is not a file of {request.path}",
+                code="unknown_file",
+            )
+        hashes[path] = entry.sha256.lower()
+    return hashes
+
+
+async def submit_registration(
+    resources: Resources, registrations: RegistrationBatcher, request: RegisterRequest
+) -> Outcome:
     """Scan and validate one registration, then hand it to the agent's group
     commit; returns once it is committed (or refused)."""
     scanned = await scan_checkpoint(resources, request.path)
-    hashes = CheckpointService._client_hashes(request, scanned)
+    hashes = _client_hashes(request, scanned)
     registration = Registration(
         request=request, scanned=scanned, hashes=hashes, fingerprint=fingerprint(scanned, hashes)
     )
-    return await batcher_for(resources).submit(registration)
+    return await registrations.submit(registration)
+
+
+async def register(
+    resources: Resources,
+    registrations: RegistrationBatcher,
+    request: RegisterRequest,
+    drain: DrainState | None = None,
+) -> tuple[CheckpointOut, bool]:
+    """Record a checkpoint shard and enqueue its upload; (record, created).
+    While the agent drains (``drain``), only urgent ones (draining.py).
+
+    The scan and every check that needs no catalog happen in the request;
+    the catalog write is the agent's group commit (batching.py): this
+    returns once the transaction holding it is committed, so a 202 means
+    the registration survives a kill -9 of the agent right after it. The
+    hot path takes no session of its own: only a checkpoint that existed
+    before the batch (another rank, a re-register) is read back.
+    """
+    if drain is not None:
+        drain.admit(request.priority)
+    outcome = await submit_registration(resources, registrations, request)
+    if outcome.record is not None:
+        return outcome.record, outcome.created
+    async with reading(resources.sessionmaker)() as session:
+        service = CheckpointService(session, resources)
+        return await service.summary(request.run, request.step), outcome.created
 
 
 class CheckpointService:
@@ -90,43 +130,6 @@ class CheckpointService:
         self.session = session
         self.r = resources
         self.settings = resources.settings
-
-    # -- register ------------------------------------------------------------
-
-    async def register(self, request: RegisterRequest) -> tuple[CheckpointOut, bool]:
-        """Record a checkpoint shard and enqueue its upload; (record, created).
-
-        The scan and every check that needs no catalog happen in the request;
-        the catalog write is the agent's group commit (batching.py): this
-        returns once the transaction holding it is committed, so a 202 means
-        the registration survives a kill -9 of the agent right after it.
-        """
-        outcome = await submit_registration(self.r, request)
-        return await self.registered(request, outcome), outcome.created
-
-    async def registered(self, request: RegisterRequest, outcome: Outcome) -> CheckpointOut:
-        """The answer to a committed registration."""
-        if outcome.record is not None:
-            return outcome.record
-        # The checkpoint existed before this batch (another rank, a re-register).
-        checkpoint = await self._checkpoint(request.run, request.step)
-        return await self.describe(request.run, checkpoint, with_files=False)
-
-    @staticmethod
-    def _client_hashes(request: RegisterRequest, scanned: ScannedShard) -> dict[str, str]:
-        if not request.files:
-            return {}
-        known = {f.path for f in scanned.files}
-        hashes: dict[str, str] = {}
-        for entry in request.files:
-            path = entry.path.strip("/")
-            if path not in known:
-                raise BadInput(
-                    f"files[].path {entry.path!r} is not a file of {request.path}",
-                    code="unknown_file",
-                )
-            hashes[path] = entry.sha256.lower()
-        return hashes
 
     # -- reads ---------------------------------------------------------------
 
@@ -145,20 +148,14 @@ class CheckpointService:
         return checkpoint
 
     async def get(self, run: str, step: int) -> CheckpointOut:
+        """The detail view: with the files and the checkpoint's jobs."""
         checkpoint = await self._checkpoint(run, step)
-        out = await self.describe(run, checkpoint, with_files=True)
-        out.jobs = [
-            JobOut(
-                kind=job.kind,
-                state=job.state,
-                region=job.region,
-                rank=rank,
-                attempts=job.attempts,
-                last_error=job.last_error,
-            )
-            for job, rank in await repo.jobs_of(self.session, checkpoint.id)
-        ]
-        return out
+        return await self.describe(run, checkpoint, with_files=True, with_jobs=True)
+
+    async def summary(self, run: str, step: int) -> CheckpointOut:
+        """The checkpoint without its files and jobs (a registration's answer)."""
+        checkpoint = await self._checkpoint(run, step)
+        return await self.describe(run, checkpoint, with_files=False)
 
     async def describe_many(self, run: str, checkpoints: list[Checkpoint]) -> list[CheckpointOut]:
         ids = [c.id for c in checkpoints]
@@ -168,77 +165,26 @@ class CheckpointService:
         replicas = defaultdict(list)
         for replica in await repo.replicas_of(self.session, ids):
             replicas[replica.checkpoint_id].append(replica)
+        regions = list(self.r.stores)
         return [
-            self._to_out(run, c, shards[c.id], replicas[c.id], children=[], files=None)
+            checkpoint_out(
+                run, c, Listing(shards=shards[c.id], replicas=replicas[c.id], regions=regions)
+            )
             for c in checkpoints
         ]
 
     async def describe(
-        self, run: str, checkpoint: Checkpoint, *, with_files: bool
+        self, run: str, checkpoint: Checkpoint, *, with_files: bool, with_jobs: bool = False
     ) -> CheckpointOut:
-        shards = await repo.shards_of(self.session, [checkpoint.id])
-        replicas = await repo.replicas_of(self.session, [checkpoint.id])
-        children = await repo.children_of(self.session, run, checkpoint.step)
-        files = None
-        if with_files:
-            files = [
-                FileOut(rank=rank, path=f.path, size=f.size, sha256=f.sha256)
-                for rank, f in await repo.files_of(self.session, checkpoint.id)
-            ]
-        return self._to_out(run, checkpoint, shards, replicas, children, files)
-
-    def _to_out(
-        self,
-        run: str,
-        c: Checkpoint,
-        shards: list[Shard],
-        replicas: list[Replica],
-        children: list[tuple[str, int]],
-        files: list[FileOut] | None,
-    ) -> CheckpointOut:
-        order = {name: i for i, name in enumerate(self.r.stores)}
-        return CheckpointOut(
-            run=run,
-            step=c.step,
-            state=c.state,
-            world_size=c.world_size,
-            epoch=c.epoch,
-            priority=c.priority,
-            metrics=c.metrics,
-            metadata=c.meta,
-            parent=RefOut(run=c.parent_run, step=c.parent_step)
-            if c.parent_run is not None and c.parent_step is not None
-            else None,
-            children=[RefOut(run=name, step=step) for name, step in children],
-            created_at=c.created_at,
-            durable_at=c.durable_at,
-            error=c.error,
-            total_bytes=c.total_bytes,
-            file_count=c.file_count,
-            write_seconds=c.write_seconds,
-            pinned=c.pinned,
-            quarantined_at=c.quarantined_at,
-            quarantine_reason=c.quarantine_reason,
-            deleted_at=c.deleted_at,
-            deleted_reason=c.deleted_reason,
-            shards=[
-                ShardOut(rank=s.rank, node=s.node, path=s.path, state=s.state, error=s.error)
-                for s in shards
-            ],
-            files=files,
-            replicas=[
-                ReplicaOut(
-                    region=r.region,
-                    state=r.state,
-                    uri=r.uri,
-                    verified_at=r.verified_at,
-                    committed_at=r.committed_at,
-                    error=r.error,
-                    lag_seconds=replication_lag(c, r),
-                )
-                for r in sorted(replicas, key=lambda r: order.get(r.region, len(order)))
-            ],
+        listing = Listing(
+            shards=await repo.shards_of(self.session, [checkpoint.id]),
+            replicas=await repo.replicas_of(self.session, [checkpoint.id]),
+            children=await repo.children_of(self.session, run, checkpoint.step),
+            files=await repo.file_rows(self.session, checkpoint.id) if with_files else None,
+            jobs=await repo.jobs_of(self.session, checkpoint.id) if with_jobs else None,
+            regions=list(self.r.stores),
         )
+        return checkpoint_out(run, checkpoint, listing)
 
     async def list(
         self,
@@ -265,8 +211,6 @@ class CheckpointService:
 
     async def verify(self, run: str, step: int) -> CheckpointOut:
         """Queue a re-read and re-hash of every copy of the checkpoint."""
-        from ..integrity.jobs import enqueue_verify
-
         checkpoint = await self._checkpoint(run, step)
         if checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED):
             raise Conflict(
@@ -288,7 +232,7 @@ class CheckpointService:
             # Asked for by a person: ahead of the scrubber's background work.
             await enqueue_verify(self.session, checkpoint.id, region, priority=PRIORITY["urgent"])
         await self.session.commit()
-        self.r.wake_worker()
+        self.r.wake()
         return await self.get(run, step)
 
     # -- curation: pins, quarantine, deletion, lineage -----------------------
@@ -309,8 +253,6 @@ class CheckpointService:
         return await self.get(run, step)
 
     async def delete(self, run: str, step: int, who: str, force: bool) -> CheckpointOut:
-        from ..retention.service import enqueue_delete
-
         checkpoint = await self._checkpoint(run, step)
         if checkpoint.pinned:
             raise Conflict(f"{run} step {step} is pinned; unpin it first", code="pinned")
@@ -324,9 +266,9 @@ class CheckpointService:
                 f"{run} step {step} is the latest valid checkpoint; pass force=true to delete it",
                 code="latest_valid",
             )
-        await enqueue_delete(self.session, checkpoint, f"deleted by {who}", force=force)
+        await enqueue_delete(self.session, checkpoint.id, f"deleted by {who}", force=force)
         await self.session.commit()
-        self.r.wake_worker()
+        self.r.wake()
         return await self.get(run, step)
 
     async def lineage(self, run: str, step: int) -> LineageOut:
@@ -388,7 +330,7 @@ class CheckpointService:
         if region is not None and region not in self.r.stores:
             raise BadInput(f"unknown region {region!r}", code="unknown_region")
         files = [
-            (r, f) for r, f in await repo.files_of(self.session, checkpoint.id) if rank in (None, r)
+            f for f in await repo.file_rows(self.session, checkpoint.id) if rank in (None, f.rank)
         ]
         committed = [
             r.region
@@ -401,14 +343,18 @@ class CheckpointService:
         for name in committed:
             store = self.r.stores[name]
             plan_files = []
-            for file_rank, f in files:
-                key = layout.object_key(run, step, file_rank, f.path)
+            for f in files:
+                key = layout.object_key(run, step, f.rank, f.file_path)
                 url = await store.presign_get(key)
                 if url is None:
                     url = f"/v1/regions/{name}/objects/{quote(key)}"
                 plan_files.append(
                     PlanFile(
-                        rank=file_rank, path=f.path, size=f.size, sha256=f.sha256 or "", url=url
+                        rank=f.rank,
+                        path=f.file_path,
+                        size=f.file_size,
+                        sha256=f.file_sha256 or "",
+                        url=url,
                     )
                 )
             sources.append(PlanSource(region=name, files=plan_files))

@@ -1,4 +1,4 @@
-"""The validity rule (DESIGN.md "Validity"), as one function over the catalog.
+"""The validity rule, as one function over the catalog.
 
 A checkpoint is valid when every shard of its world_size is uploaded and
 hashed and at least ``min_regions`` regions hold a committed manifest and no
@@ -12,10 +12,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Protocol
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..models import Checkpoint, CheckpointState, Replica, ReplicaState, utcnow
+from . import replicas
 
 # States nothing brings back: failed (never became valid) and deleted.
 FINAL = (CheckpointState.FAILED, CheckpointState.DELETED)
@@ -26,15 +27,6 @@ async def lock_checkpoint(session: AsyncSession, checkpoint_id: int) -> Checkpoi
     return await session.scalar(
         select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()
     )
-
-
-async def committed_regions(session: AsyncSession, checkpoint_id: int) -> list[str]:
-    rows = await session.scalars(
-        select(Replica.region).where(
-            Replica.checkpoint_id == checkpoint_id, Replica.state == ReplicaState.COMMITTED
-        )
-    )
-    return list(rows)
 
 
 async def refresh_state(
@@ -83,19 +75,8 @@ async def commit_replica(
     checkpoint's state follows. ``verified``: every byte was hashed on the way
     (True), the copy was not (False: any earlier verification no longer
     holds), or nothing is said (None). The checkpoint row must be locked."""
-    now = utcnow()
-    values: dict[str, object] = {
-        "state": ReplicaState.COMMITTED,
-        "manifest_sha256": manifest_sha256,
-        "committed_at": now,
-        "error": None,
-    }
-    if verified is not None:
-        values["verified_at"] = now if verified else None
-    await session.execute(
-        update(Replica)
-        .where(Replica.checkpoint_id == checkpoint.id, Replica.region == region)
-        .values(**values)
+    await replicas.mark_committed(
+        session, checkpoint.id, region, manifest_sha256, verified=verified, now=utcnow()
     )
     await refresh_state(session, checkpoint, min_regions, region_count)
 

@@ -6,6 +6,11 @@ concurrently without blocking each other; on SQLite the same statement is
 atomic because SQLite has a single writer. A claim hands out a lease token;
 every later transition checks it, so a worker whose lease expired and was
 reclaimed elsewhere can no longer complete, retry or fail that job.
+
+The moves of queued jobs from one kind to another (a replicate job
+superseding uploads from T0, an upload that cannot finish hurrying the
+replicate job that replaces it) are here too; what each kind carries and how
+it is enqueued is in ``kinds``.
 """
 
 from __future__ import annotations
@@ -15,13 +20,13 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..db import dialect_name
-from ..models import Job, JobState, utcnow
+from ..models import Job, JobKind, JobState, Shard, utcnow
 
 
 class LeaseLost(Exception):
@@ -99,6 +104,11 @@ async def enqueue(
         max_attempts=max_attempts,
         delay_seconds=delay_seconds,
     )
+    return await enqueue_row(session, values)
+
+
+async def enqueue_row(session: AsyncSession, values: dict[str, Any]) -> bool:
+    """``enqueue`` of a row from ``job_values``."""
     statement = _insert_ignoring_active(dialect_name(session)).values(**values).returning(Job.id)
     result = await session.execute(statement)
     return result.scalar_one_or_none() is not None
@@ -112,11 +122,47 @@ def enqueue_many(conn: Connection, rows: list[dict[str, Any]]) -> None:
         conn.execute(_insert_ignoring_active(conn.dialect.name), rows)
 
 
+def node_work(node: str) -> ColumnElement[bool]:
+    """The jobs a draining agent must finish before its node goes: those
+    bound to the node (they read its SSD: nobody else can run them), and the
+    commits of checkpoints with a shard on it (a checkpoint is durable only
+    once its manifest is written)."""
+    return or_(
+        Job.node == node,
+        and_(
+            Job.node.is_(None),
+            Job.kind == JobKind.COMMIT,
+            # Correlated: the few queued commits each look up their own
+            # shards (indexed by checkpoint), not every shard of the node.
+            select(Shard.id)
+            .where(Shard.checkpoint_id == Job.checkpoint_id, Shard.node == node)
+            .exists(),
+        ),
+    )
+
+
+async def node_work_left(session: AsyncSession, node: str) -> int:
+    """Queued or running jobs of ``node_work(node)``, whoever holds them."""
+    count = await session.scalar(
+        select(func.count())
+        .select_from(Job)
+        .where(Job.state.in_((JobState.QUEUED, JobState.RUNNING)), node_work(node))
+    )
+    return int(count or 0)
+
+
 async def claim(
-    session: AsyncSession, *, owner: str, node: str, lease_seconds: float
+    session: AsyncSession,
+    *,
+    owner: str,
+    node: str,
+    lease_seconds: float,
+    node_work_only: bool = False,
 ) -> Job | None:
-    """Take the best runnable job for this node, or None."""
+    """Take the best runnable job for this node, or None; with
+    ``node_work_only`` (a drain) only one of ``node_work(node)``."""
     now = utcnow()
+    mine = node_work(node) if node_work_only else or_(Job.node.is_(None), Job.node == node)
     runnable = (
         select(Job.id)
         .where(
@@ -125,7 +171,7 @@ async def claim(
                 # A running job whose lease ran out belongs to a dead worker.
                 and_(Job.state == JobState.RUNNING, Job.lease_expires_at < now),
             ),
-            or_(Job.node.is_(None), Job.node == node),
+            mine,
         )
         .order_by(Job.priority.desc(), Job.id)
         .limit(1)
@@ -266,3 +312,58 @@ async def supersede(session: AsyncSession, job_id: int, reason: str) -> bool:
         .execution_options(synchronize_session=False)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+# -- moves between kinds ------------------------------------------------------
+
+
+async def _uploads_into_regions(session: AsyncSession, checkpoint_id: int) -> list[Job]:
+    """Active upload/commit jobs of a checkpoint (primary, fan-out or T0 repair)."""
+    return list(
+        await session.scalars(
+            select(Job).where(
+                Job.checkpoint_id == checkpoint_id,
+                Job.kind.in_((JobKind.UPLOAD, JobKind.COMMIT)),
+                Job.state.in_((JobState.QUEUED, JobState.RUNNING)),
+            )
+        )
+    )
+
+
+async def regions_being_filled(session: AsyncSession, checkpoint_id: int) -> set[str]:
+    """Regions an upload or commit from T0 is writing the checkpoint into."""
+    return {
+        job.region
+        for job in await _uploads_into_regions(session, checkpoint_id)
+        if job.region is not None
+    }
+
+
+async def supersede_uploads(session: AsyncSession, checkpoint_id: int, region: str) -> bool:
+    """A replicate job is about to fill ``region`` from a committed region:
+    uploads from T0 into it that have not started are superseded. False, and
+    nothing superseded, when one has started or its commit is queued: the
+    replicate job must wait for it rather than race it."""
+    active = [
+        job for job in await _uploads_into_regions(session, checkpoint_id) if job.region == region
+    ]
+    if any(job.kind != JobKind.UPLOAD or job.state != JobState.QUEUED for job in active):
+        return False
+    for job in active:
+        await supersede(session, job.id, "superseded: copied from a committed region instead")
+    return True
+
+
+async def hurry_replication(session: AsyncSession, checkpoint_id: int, region: str) -> None:
+    """Run the queued replicate job into ``region`` now: the upload from T0 it
+    was giving a grace period to will not finish."""
+    await session.execute(
+        update(Job)
+        .where(
+            Job.checkpoint_id == checkpoint_id,
+            Job.region == region,
+            Job.kind == JobKind.REPLICATE,
+            Job.state == JobState.QUEUED,
+        )
+        .values(run_after=utcnow())
+    )

@@ -4,7 +4,12 @@ Concurrency is a semaphore of slots; a heartbeat extends the leases of the
 jobs in hand; ``stop()`` lets running jobs finish for a grace period and then
 cancels them and gives them back as retryable, so SIGTERM loses nothing and
 SIGKILL loses nothing either (the lease expires, or the next start of this
-node's agent releases it at once).
+node's agent releases it at once). If the heartbeat dies (a bug: its own
+errors are caught), the worker stops too and ``run()`` raises: without it the
+leases of running jobs would expire under them, and the agent must see it.
+While the agent drains (``begin_drain``, on SIGTERM) the worker claims only
+its own node's work (``queue.node_work``), urgent first: what nobody else can
+do once the node is gone.
 """
 
 from __future__ import annotations
@@ -13,17 +18,18 @@ import asyncio
 import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from ..config import WorkerSettings
-from ..db import transaction
-from ..models import Job
+from ..db import reading, transaction
+from ..models import Job, JobKind
 from ..observability import metrics
 from ..observability.context import bind_job
+from ..storage.base import ObjectStore
 from . import queue
 
 log = logging.getLogger("tierckpt.worker")
@@ -35,6 +41,15 @@ OUTAGE_PAUSE_MAX = 5.0
 
 class PermanentJobError(Exception):
     """Retrying cannot help (the source file changed, the input is invalid)."""
+
+
+def region_store(stores: Mapping[str, ObjectStore], job: Job) -> ObjectStore:
+    """The store of the region ``job`` targets. A region this agent has no
+    configuration for will not appear by retrying: the job fails."""
+    store = stores.get(job.region) if job.region is not None else None
+    if store is None:
+        raise PermanentJobError(f"region {job.region!r} is not configured on this agent")
+    return store
 
 
 @dataclass
@@ -65,27 +80,58 @@ class Worker:
         self._wakeup = asyncio.Event()
         self._running: dict[asyncio.Task[None], Job] = {}
         self._main: asyncio.Task[None] | None = None
+        self._draining = False
+        self._grace = settings.shutdown_timeout
 
     # -- lifecycle -----------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self) -> asyncio.Task[None]:
         self._main = asyncio.create_task(self.run(), name="tierckpt-worker")
+        return self._main
 
     async def run(self) -> None:
         await self._release_previous_incarnation()
         heartbeat = asyncio.create_task(self._heartbeat(), name="tierckpt-heartbeat")
+        heartbeat.add_done_callback(self._heartbeat_ended)
         try:
             await self._claim_loop()
         finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
             await self._drain()
+        if not heartbeat.cancelled() and heartbeat.exception() is not None:
+            raise RuntimeError("the lease heartbeat died") from heartbeat.exception()
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop claiming; running jobs get ``grace`` seconds (default
+        ``shutdown_timeout``) to finish, then are given back."""
+        if grace is not None:
+            self._grace = max(0.0, grace)
         self._stopping.set()
         self._wakeup.set()
         if self._main is not None:
             await asyncio.gather(self._main, return_exceptions=True)
+
+    def begin_drain(self) -> None:
+        """From now on claim only this node's work (the node is going away).
+        Running jobs that any agent can run (replicate, verify, delete) are
+        given back now: their slots go to the node's own uploads, which
+        nobody else can do once the node is gone."""
+        self._draining = True
+        shared = [
+            task
+            for task, job in self._running.items()
+            if job.node is None and job.kind != JobKind.COMMIT
+        ]
+        for task in shared:
+            task.cancel()  # _execute gives the job back (release)
+        if shared:
+            log.info("draining: gave back %d job(s) other agents can run", len(shared))
+        self._wakeup.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._main is not None and not self._main.done()
 
     def wake(self) -> None:
         """Work was just enqueued in this process: look now, not at the next poll."""
@@ -143,6 +189,11 @@ class Worker:
             self._running[task] = job
             task.add_done_callback(self._finished)
 
+    def _heartbeat_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            self._stopping.set()
+            self._wakeup.set()
+
     def _pause(self, failures: int) -> float:
         """Seconds until the next claim: the poll interval, doubling while the
         catalog stays unreachable, up to OUTAGE_PAUSE_MAX. Every agent of a
@@ -166,13 +217,14 @@ class Worker:
                 owner=self.owner,
                 node=self.node,
                 lease_seconds=self._settings.lease_seconds,
+                node_work_only=self._draining,
             )
 
     async def _execute(self, job: Job) -> None:
         handler = self._handlers.get(job.kind)
         try:
             # Job id, kind, run, step, region on every log line of this task.
-            await bind_job(job, self._sessionmaker)
+            await bind_job(job, reading(self._sessionmaker))
             if handler is None:
                 raise PermanentJobError(f"no handler for job kind {job.kind!r}")
             if job.attempts > job.max_attempts:
@@ -254,7 +306,7 @@ class Worker:
         if not self._running:
             return
         tasks = list(self._running)
-        _done, pending = await asyncio.wait(tasks, timeout=self._settings.shutdown_timeout)
+        _done, pending = await asyncio.wait(tasks, timeout=self._grace)
         for task in pending:
             task.cancel()
         if pending:

@@ -13,12 +13,14 @@ from .base import Base, utcnow
 
 
 class JobKind(enum.StrEnum):
+    """Stored as a plain string; each kind's payload and retry policy are in
+    ``jobs/kinds.py``."""
+
     UPLOAD = "upload"  # one shard, local SSD -> primary region; bound to the shard's node
     COMMIT = "commit"  # write a region's MANIFEST.json once every shard is there
     REPLICATE = "replicate"  # copy a committed checkpoint into another region (or repair one)
     VERIFY = "verify"  # re-read a region's objects and re-hash them
     DELETE = "delete"  # remove a checkpoint from every region (manifest first)
-    EVICT = "evict"  # remove a shard's T0 copy from its node's SSD; bound to that node
 
 
 class JobState(enum.StrEnum):

@@ -24,14 +24,15 @@ from prometheus_client.registry import Collector
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..checkpoints import replicas as replicas_repo
 from ..checkpoints import repository as repo
-from ..models import Checkpoint, CheckpointState, Job, JobState, Replica, ReplicaState, Run, utcnow
+from ..db import reading
+from ..models import Checkpoint, Job, JobState, ReplicaState, Run, utcnow
 from ..resources import Resources
 
 log = logging.getLogger("tierckpt.metrics")
 
 ACTIVE_JOB_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.FAILED)
-LIVE_CHECKPOINT = Checkpoint.state.notin_((CheckpointState.FAILED, CheckpointState.DELETED))
 
 
 def epoch(value: datetime) -> float:
@@ -96,18 +97,7 @@ async def _replica_families(
         "the region (0: nothing waiting).",
         labels=["region"],
     )
-    rows = await session.execute(
-        select(
-            Replica.region,
-            Replica.state,
-            func.count(),
-            func.sum(Checkpoint.total_bytes),
-            func.min(Checkpoint.durable_at),
-        )
-        .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
-        .where(LIVE_CHECKPOINT)
-        .group_by(Replica.region, Replica.state)
-    )
+    rows = await replicas_repo.totals(session)
     waiting: dict[str, float] = dict.fromkeys(regions, 0.0)
     pending: dict[str, float] = dict.fromkeys(regions, 0.0)
     for region, state, count, nbytes, first_durable in rows:
@@ -167,9 +157,10 @@ async def _checkpoint_families(session: AsyncSession, min_regions: int) -> list[
     return [states, durable_ts, durable_step, registered_ts, registered_step]
 
 
-async def catalog_families(resources: Resources) -> list[Metric]:
+async def catalog_families(resources: Resources, busy_jobs: int) -> list[Metric]:
     """Every catalog gauge, plus ``tierckpt_catalog_up`` (0 when the catalog
-    could not be read: the in-process metrics are still worth scraping)."""
+    could not be read: the in-process metrics are still worth scraping) and
+    this agent's ``busy_jobs`` (jobs its worker is running)."""
     settings = resources.settings
     started = time.monotonic()
     up = GaugeMetricFamily(
@@ -180,7 +171,7 @@ async def catalog_families(resources: Resources) -> list[Metric]:
     )
     families: list[Metric] = []
     try:
-        async with resources.sessionmaker() as session:
+        async with reading(resources.sessionmaker)() as session:
             now = utcnow()
             families += await _job_families(session, now)
             families += await _replica_families(session, now, [r.name for r in settings.regions])
@@ -199,7 +190,7 @@ async def catalog_families(resources: Resources) -> list[Metric]:
     busy = GaugeMetricFamily(
         "tierckpt_worker_busy_jobs", "Jobs this agent's worker is running right now."
     )
-    busy.add_metric([], resources.worker.busy if resources.worker is not None else 0)
+    busy.add_metric([], busy_jobs)
     return [*families, up, took, info, busy]
 
 

@@ -33,7 +33,7 @@ SLOW_SECONDS = 1.0
 
 # 16 hex characters: 8 random per process, then a counter. Unique within the
 # process and (by the random half) across agents, without a getrandom call
-# per request (uuid4 was ~2 % of a `latest` answer's CPU).
+# per request, which would be a visible share of a `latest` answer's CPU.
 _PROCESS_PART = os.urandom(4).hex()
 _COUNTER = itertools.count(1)
 

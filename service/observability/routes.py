@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..auth import Action, authenticate, authorize
-from ..deps import ResourcesDep
+from ..deps import AgentDep, ResourcesDep
 from . import metrics
 from .catalog import catalog_families, render
 
@@ -24,11 +24,13 @@ router = APIRouter(tags=["observability"])
     response_class=Response,
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}},
 )
-async def prometheus_metrics(request: Request, resources: ResourcesDep) -> Response:
+async def prometheus_metrics(
+    request: Request, resources: ResourcesDep, agent: AgentDep
+) -> Response:
     settings = resources.settings
     if not settings.server.metrics_public:
         principal = authenticate(request.headers.get("authorization"), settings.tokens)
         authorize(principal, Action.READ)
     metrics.init_regions([region.name for region in settings.regions])
-    body = generate_latest(metrics.REGISTRY) + render(await catalog_families(resources))
+    body = generate_latest(metrics.REGISTRY) + render(await catalog_families(resources, agent.busy))
     return Response(body, media_type=CONTENT_TYPE_LATEST)

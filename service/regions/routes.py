@@ -13,9 +13,7 @@ from fastapi.responses import FileResponse
 
 from ..auth import Action, authorize
 from ..deps import PrincipalDep, ResourcesDep
-from ..errors import BadInput, NotFound
-from ..observability import metrics
-from ..storage.posix import PosixStore
+from .service import object_file
 
 router = APIRouter(prefix="/v1/regions", tags=["regions"])
 
@@ -28,18 +26,6 @@ async def get_object(
     principal: PrincipalDep,
     range_header: Annotated[str | None, Header(alias="range")] = None,
 ) -> FileResponse:
-    run = key.split("/", 1)[0]
-    authorize(principal, Action.READ, run)
-    store = resources.stores.get(region)
-    if store is None:
-        raise NotFound(f"unknown region {region!r}", code="unknown_region")
-    if not isinstance(store, PosixStore):
-        raise BadInput(f"region {region!r} is S3; use the presigned URL from the restore plan")
-    try:
-        path = store.local_path(key)
-    except Exception as exc:
-        raise BadInput(f"invalid object key {key!r}", code="invalid_key") from exc
-    if not path.is_file():
-        raise NotFound(f"object {key!r} not found in region {region!r}", code="object_not_found")
-    metrics.observe_served(region, range_header, path.stat().st_size)
+    authorize(principal, Action.READ, key.split("/", 1)[0])
+    path = await object_file(resources.stores, region, key, range_header)
     return FileResponse(path, media_type="application/octet-stream")

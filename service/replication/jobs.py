@@ -14,39 +14,22 @@ import asyncio
 import hashlib
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..checkpoints import replicas
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import commit_replica, lock_checkpoint
 from ..concurrency import gather_or_cancel
 from ..db import transaction
 from ..jobs import queue
-from ..jobs.worker import JobHandler, PermanentJobError
-from ..models import (
-    Checkpoint,
-    CheckpointState,
-    Job,
-    JobKind,
-    JobState,
-    Replica,
-    ReplicaState,
-    priority_of,
-)
+from ..jobs.worker import JobHandler, region_store
+from ..models import CheckpointState, Job, JobKind, Replica, ReplicaState
 from ..observability import context, metrics
 from ..resources import Resources
 from ..storage.base import ObjectStore, PartRef, StoreError
 from ..storage.leftovers import abort_left_uploads
-from ..uploads.manifest import manifest_digest
-
-# How long a replicate job waits before checking on an upload from T0 that is
-# filling its region (``[upload] fan_out``); it then waits for a running one,
-# and replaces one that never started (its node may be gone).
-FAN_OUT_GRACE_SECONDS = 30.0
-
-# Effectively forever: with backoff capped at worker.backoff_max, a region can
-# be down for weeks and its replicas still arrive once it is back.
-REPLICATE_MAX_ATTEMPTS = 1_000_000
+from ..storage.manifest import ObjectEntry, manifest_digest
 
 
 class SourceCorrupt(Exception):
@@ -54,70 +37,18 @@ class SourceCorrupt(Exception):
 
 
 @dataclass(frozen=True)
-class ObjectToCopy:
-    key: str
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True)
 class _Plan:
     sources: list[str]  # committed regions to copy from, primary first
-    objects: list[ObjectToCopy]
+    objects: list[ObjectEntry]
     manifest: bytes
     manifest_key: str
     step_prefix: str
 
 
-async def enqueue_replication(
-    session: AsyncSession, checkpoint: Checkpoint, resources: Resources
-) -> int:
-    """Queue a copy into every configured region that does not hold the
-    checkpoint yet (pending) or holds a bad copy (corrupt)."""
-    if checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED):
-        return 0
-    replicas = await session.scalars(
-        select(Replica).where(
-            Replica.checkpoint_id == checkpoint.id,
-            Replica.state.in_((ReplicaState.PENDING, ReplicaState.CORRUPT)),
-        )
-    )
-    filling = {job.region for job in await _uploads_into_regions(session, checkpoint.id)}
-    added = 0
-    for replica in replicas:
-        if replica.region not in resources.stores:
-            continue
-        added += await queue.enqueue(
-            session,
-            JobKind.REPLICATE,
-            checkpoint.id,
-            region=replica.region,
-            priority=priority_of(checkpoint.priority),
-            max_attempts=REPLICATE_MAX_ATTEMPTS,
-            # An upload from T0 is filling that region already: the replicate
-            # job is the safety net (node lost, upload failed), not a rival.
-            delay_seconds=FAN_OUT_GRACE_SECONDS if replica.region in filling else 0.0,
-        )
-    return added
-
-
-async def _uploads_into_regions(session: AsyncSession, checkpoint_id: int) -> list[Job]:
-    """Active upload/commit jobs of a checkpoint (fan-out or T0 repair)."""
-    return list(
-        await session.scalars(
-            select(Job).where(
-                Job.checkpoint_id == checkpoint_id,
-                Job.kind.in_((JobKind.UPLOAD, JobKind.COMMIT)),
-                Job.state.in_((JobState.QUEUED, JobState.RUNNING)),
-            )
-        )
-    )
-
-
 async def stream_copy(
     source: ObjectStore,
     target: ObjectStore,
-    obj: ObjectToCopy,
+    obj: ObjectEntry,
     part_size: int,
     parts: asyncio.Semaphore,
 ) -> None:
@@ -163,7 +94,7 @@ async def stream_copy(
         raise
 
 
-def _check(obj: ObjectToCopy, hasher: hashlib._Hash, size: int) -> None:
+def _check(obj: ObjectEntry, hasher: hashlib._Hash, size: int) -> None:
     if size != obj.size or hasher.hexdigest() != obj.sha256:
         raise SourceCorrupt(
             f"{obj.key}: source bytes do not match the catalog (size {size}/{obj.size}, "
@@ -200,17 +131,10 @@ class ReplicationJobs:
                 await queue.complete(session, job)  # already there (or not ours to copy)
                 return None
             context.note(repair=target.state == ReplicaState.CORRUPT)
-            for other in await _uploads_into_regions(session, checkpoint.id):
-                if other.region != job.region:
-                    continue
-                if other.kind == JobKind.UPLOAD and other.state == JobState.QUEUED:
-                    await queue.supersede(
-                        session, other.id, "superseded: copied from a committed region instead"
-                    )
-                else:
-                    raise StoreError(
-                        f"an upload from the node's local copy into {job.region} is in progress"
-                    )
+            if not await queue.supersede_uploads(session, checkpoint.id, target.region):
+                raise StoreError(
+                    f"an upload from the node's local copy into {job.region} is in progress"
+                )
             sources = [
                 r.region
                 for r in await session.scalars(
@@ -225,7 +149,7 @@ class ReplicationJobs:
             manifest = contents.manifest(checkpoint)
             manifest_key = contents.manifest_key(checkpoint)
             step_prefix = contents.step_prefix(checkpoint)
-            objects = [ObjectToCopy(o.key, o.size, o.sha256 or "") for o in contents.objects]
+            objects = contents.objects
         if not sources:
             # Nothing intact to copy from yet (primary still uploading, or every
             # copy corrupt): wait with backoff rather than fail.
@@ -236,9 +160,7 @@ class ReplicationJobs:
 
     async def replicate(self, job: Job) -> None:
         assert job.region is not None
-        target = self.r.stores.get(job.region)
-        if target is None:
-            raise PermanentJobError(f"region {job.region!r} is not configured on this agent")
+        target = region_store(self.r.stores, job)
         plan = await self._plan(job)
         if plan is None:
             return
@@ -276,12 +198,12 @@ class ReplicationJobs:
         raise StoreError("every source region failed: " + "; ".join(errors))
 
     async def _copy_all(
-        self, source: ObjectStore, target: ObjectStore, objects: list[ObjectToCopy]
+        self, source: ObjectStore, target: ObjectStore, objects: list[ObjectEntry]
     ) -> bool:
         """Copy every object; True when every byte was hashed on the way."""
         hashed = True
 
-        async def one(obj: ObjectToCopy) -> None:
+        async def one(obj: ObjectEntry) -> None:
             nonlocal hashed
             async with self.files:
                 if await target.copy_within(source, obj.key, obj.key, obj.size):
@@ -298,8 +220,7 @@ class ReplicationJobs:
         return hashed
 
     async def failed(self, session: AsyncSession, job: Job, error: str) -> None:
-        await session.execute(
-            update(Replica)
-            .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
-            .values(error=f"replication failed: {error}"[:4000])
+        assert job.region is not None
+        await replicas.note_error(
+            session, job.checkpoint_id, job.region, f"replication failed: {error}"
         )

@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import posixpath
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..checkpoints import replicas
 from ..checkpoints import repository as repo
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import lock_checkpoint
 from ..concurrency import gather_or_cancel
 from ..db import transaction
 from ..jobs import queue
+from ..jobs.kinds import DeletePayload
 from ..jobs.worker import JobHandler
 from ..models import Checkpoint, CheckpointState, Job, JobKind, Replica, ReplicaState, utcnow
 from ..resources import Resources
@@ -36,21 +38,21 @@ class DeleteJobs:
         return {JobKind.DELETE: JobHandler(run=self.delete, on_failure=self.failed)}
 
     async def delete(self, job: Job) -> None:
-        payload = job.payload or {}
+        payload = DeletePayload.from_json(job.payload)
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await lock_checkpoint(session, job.checkpoint_id)
             if checkpoint is None:
                 await queue.complete(session, job)
                 return
             if checkpoint.state != CheckpointState.DELETED:
-                refusal = await self._refusal(session, checkpoint, bool(payload.get("force")))
+                refusal = await self._refusal(session, checkpoint, payload.force)
                 if refusal:
                     # Things changed since the job was queued (a pin, a newer
                     # checkpoint failed): keep it, say why in the job.
                     await queue.complete(session, job)
                     return
                 checkpoint.state = CheckpointState.DELETED
-                checkpoint.deleted_reason = str(payload.get("reason") or "deleted")
+                checkpoint.deleted_reason = payload.reason
             contents = await load_contents(session, checkpoint)
             manifest_key = contents.manifest_key(checkpoint)
             keys = [o.key for o in contents.objects]
@@ -68,11 +70,7 @@ class DeleteJobs:
         for region in regions:
             await self._delete_in(self.r.stores[region], manifest_key, keys)
             async with transaction(self.r.sessionmaker) as session:
-                await session.execute(
-                    update(Replica)
-                    .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == region)
-                    .values(state=ReplicaState.DELETED, error=None)
-                )
+                await replicas.mark_deleted(session, job.checkpoint_id, region)
 
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await lock_checkpoint(session, job.checkpoint_id)

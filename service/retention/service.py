@@ -17,17 +17,18 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints import repository as repo
 from ..config import RetentionPolicySettings
-from ..db import transaction
-from ..jobs import queue
-from ..models import Checkpoint, CheckpointState, File, JobKind, Run, Shard, utcnow
+from ..db import reading, transaction
+from ..errors import NotFound
+from ..jobs import kinds
+from ..models import Checkpoint, CheckpointState, File, Run, Shard, utcnow
 from ..resources import Resources
 from .policies import Candidate, Plan, build_policy, plan_retention
+from .schemas import RetentionApplied, RetentionOut
 
 log = logging.getLogger("tierckpt.retention")
 
 # States whose objects retention may remove (a valid or once-valid copy exists).
 RETAINABLE = (CheckpointState.DURABLE, CheckpointState.REPLICATED, CheckpointState.CORRUPT)
-DELETE_MAX_ATTEMPTS = 1_000_000  # region outages only delay a deletion
 
 
 def effective_policy(run: Run, resources: Resources) -> RetentionPolicySettings:
@@ -71,24 +72,14 @@ async def plan_for_run(session: AsyncSession, run: Run, resources: Resources) ->
     return plan_retention(history, policy, protected, utcnow())
 
 
-async def enqueue_delete(
-    session: AsyncSession, checkpoint: Checkpoint, reason: str, *, force: bool = False
-) -> bool:
-    return await queue.enqueue(
-        session,
-        JobKind.DELETE,
-        checkpoint.id,
-        payload={"reason": reason, "force": force},
-        max_attempts=DELETE_MAX_ATTEMPTS,
-    )
-
-
 async def apply_run(session: AsyncSession, run: Run, resources: Resources) -> list[int]:
     plan = await plan_for_run(session, run, resources)
     queued = []
     for step in sorted(plan.delete):
         checkpoint = await repo.find_checkpoint(session, run.id, step)
-        if checkpoint is not None and await enqueue_delete(session, checkpoint, plan.reason):
+        if checkpoint is not None and await kinds.enqueue_delete(
+            session, checkpoint.id, plan.reason
+        ):
             queued.append(step)
     return queued
 
@@ -169,7 +160,7 @@ async def evict_local_copies(resources: Resources) -> int:
     settings = resources.settings
     keep = settings.local.keep_last
     node = settings.server.node
-    async with transaction(resources.sessionmaker) as session:
+    async with reading(resources.sessionmaker)() as session:
         rows = (
             await session.execute(
                 select(Shard, Checkpoint.run_id, Checkpoint.step, Checkpoint.state)
@@ -212,11 +203,72 @@ async def evict_local_copies(resources: Resources) -> int:
 
 async def apply_all(resources: Resources) -> dict[str, int]:
     """One retention pass over every run (the sweeper's tick)."""
-    deleted = 0
+    # Planning reads every run's history: it runs on a read snapshot, with
+    # no write lock held (SQLite), and each run's deletions are queued in a
+    # short transaction of their own. A plan gone stale by then (a pin, a
+    # newer checkpoint failed) is treated as one gone stale after its
+    # deletions were queued: the delete job checks its refusals again under
+    # the checkpoint's lock (retention/jobs.py).
     async with transaction(resources.sessionmaker) as session:
         expired = await expire_incomplete(session, resources)
-        runs = list(await session.scalars(select(Run)))
-        for run in runs:
-            deleted += len(await apply_run(session, run, resources))
+    plans: list[tuple[str, list[tuple[int, int]]]] = []
+    async with reading(resources.sessionmaker)() as session:
+        for run in list(await session.scalars(select(Run))):
+            plan = await plan_for_run(session, run, resources)
+            victims = []
+            for step in sorted(plan.delete):
+                checkpoint = await repo.find_checkpoint(session, run.id, step)
+                if checkpoint is not None:
+                    victims.append((step, checkpoint.id))
+            if victims:
+                plans.append((plan.reason, victims))
+    deleted = 0
+    for reason, victims in plans:
+        async with transaction(resources.sessionmaker) as session:
+            for _step, checkpoint_id in victims:
+                deleted += await kinds.enqueue_delete(session, checkpoint_id, reason)
     evicted = await evict_local_copies(resources)
     return {"expired": expired, "delete_queued": deleted, "evicted": evicted}
+
+
+# -- the per-run retention endpoints ------------------------------------------
+
+
+async def _existing_run(session: AsyncSession, name: str) -> Run:
+    run = await repo.find_run(session, name)
+    if run is None:
+        raise NotFound(f"run {name!r} has no checkpoints", code="run_not_found")
+    return run
+
+
+async def run_retention(session: AsyncSession, resources: Resources, name: str) -> RetentionOut:
+    """The run's effective policy and what it would delete now."""
+    run = await _existing_run(session, name)
+    plan = await plan_for_run(session, run, resources)
+    return RetentionOut(
+        run=name,
+        policy=effective_policy(run, resources),
+        overridden=run.retention is not None,
+        would_delete=sorted(plan.delete),
+    )
+
+
+async def override_retention(
+    session: AsyncSession, resources: Resources, name: str, policy: RetentionPolicySettings
+) -> RetentionOut:
+    """Give the run its own policy (a run not registered yet is created)."""
+    run = await repo.get_or_create_run(session, name)
+    run.retention = policy.model_dump(exclude_none=True)
+    await session.commit()
+    return await run_retention(session, resources, name)
+
+
+async def apply_retention_now(
+    session: AsyncSession, resources: Resources, name: str
+) -> RetentionApplied:
+    """Apply the run's policy now instead of at the next periodic pass."""
+    run = await _existing_run(session, name)
+    queued = await apply_run(session, run, resources)
+    await session.commit()
+    resources.wake()
+    return RetentionApplied(run=name, delete_queued=queued)

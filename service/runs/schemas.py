@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, field_serializer
 
-from ..checkpoints.schemas import _iso
+from ..checkpoints.schemas import iso_timestamp
 
 
 class RunRegionOut(BaseModel):
@@ -19,7 +19,7 @@ class RunRegionOut(BaseModel):
 
     @field_serializer("created_at")
     def _ts(self, value: datetime) -> str | None:
-        return _iso(value)
+        return iso_timestamp(value)
 
 
 class RunOut(BaseModel):
@@ -32,7 +32,7 @@ class RunOut(BaseModel):
 
     @field_serializer("created_at")
     def _ts(self, value: datetime) -> str | None:
-        return _iso(value)
+        return iso_timestamp(value)
 
 
 class RunPage(BaseModel):

@@ -1,4 +1,4 @@
-"""The self-describing object layout (DESIGN.md "Object layout").
+"""The self-describing object layout, the same in every region.
 
     {run}/step-{step:012d}/rank-{rank:05d}/{relative/path}
     {run}/step-{step:012d}/MANIFEST.json        # written last: the commit marker
@@ -26,3 +26,10 @@ def object_key(run: str, step: int, rank: int, relative_path: str) -> str:
 
 def manifest_key(run: str, step: int) -> str:
     return f"{step_prefix(run, step)}{MANIFEST_NAME}"
+
+
+def rank_and_path(key: str) -> tuple[int, str]:
+    """The rank and relative path an ``object_key`` was built from (run names
+    hold no ``/``, so the first three parts are run, step and rank)."""
+    _run, _step, rank, relative_path = key.split("/", 3)
+    return int(rank.removeprefix("rank-")), relative_path

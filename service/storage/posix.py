@@ -17,6 +17,7 @@ from pathlib import Path
 import aiofiles
 import aiofiles.os
 
+from ...client._files import fsync_dir
 from ..config import RegionSettings
 from .base import MultipartUpload, ObjectInfo, ObjectNotFound, ObjectStore, PartRef, StoreError
 
@@ -60,7 +61,7 @@ class PosixStore(ObjectStore):
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -123,7 +124,7 @@ class PosixStore(ObjectStore):
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
         try:
             await asyncio.to_thread(_finish)
@@ -256,7 +257,7 @@ def _copy_atomic(source: Path, path: Path, size: int) -> None:
             finally:
                 os.close(dst)
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -283,12 +284,3 @@ def _kernel_copy(src: int, dst: int, size: int) -> None:
         if n == 0:
             raise OSError(errno.EIO, f"source ended after {copied} of {size} bytes")
         copied += n
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename is only durable once the directory entry is on disk.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

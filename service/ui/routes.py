@@ -20,14 +20,13 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import DictLoader, Environment, select_autoescape
-from rich.filesize import decimal
 
 from ..auth import Action, Principal, authenticate
-from ..checkpoints import repository as repo
 from ..deps import ResourcesDep, SessionDep
 from ..errors import Unauthorized
 from ..models import utcnow
-from . import data, svg
+from . import svg
+from .service import overview, run_view_named
 from .templates import TEMPLATES
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
@@ -61,7 +60,7 @@ def _rpo_class(value: datetime | None) -> str:
 
 
 ENV = Environment(loader=DictLoader(TEMPLATES), autoescape=select_autoescape(default=True))
-ENV.globals.update(ago=_ago, rpo_class=_rpo_class, duration=svg.duration, size=decimal)
+ENV.globals.update(ago=_ago, rpo_class=_rpo_class, duration=svg.duration, size=svg.size)
 
 
 class _Denied(Exception):
@@ -132,7 +131,7 @@ async def runs_page(
         principal = _principal(request, token)
     except _Denied as denied:
         return denied.response
-    view = await data.overview(
+    view = await overview(
         session, resources.settings, lambda run: principal.allows(Action.READ, run)
     )
     return _page(
@@ -165,12 +164,11 @@ async def run_page(
             heading="403 forbidden",
             message=f"token {principal.name!r} may not read run {run!r}",
         )
-    found = await repo.find_run(session, run)
-    if found is None:
+    view = await run_view_named(session, resources.settings, run)
+    if view is None:
         return _page(
             request, "error.html", 404, heading="404", message=f"run {run!r} has no checkpoints"
         )
-    view = await data.run_view(session, resources.settings, found)
     return _page(
         request,
         "run.html",

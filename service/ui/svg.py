@@ -11,7 +11,7 @@ from html import escape
 
 from markupsafe import Markup
 
-from .data import CheckpointView, LineageNode
+from .views import CheckpointView, LineageNode
 
 CHECKPOINT_COLOURS = {
     "registered": "#c9a227",
@@ -51,6 +51,19 @@ def duration(seconds: float | None) -> str:
     if seconds < 3 * 86400:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.1f} d"
+
+
+def size(value: int) -> str:
+    """Bytes with SI prefixes and one decimal, as the CLI writes them."""
+    if value == 1:
+        return "1 byte"
+    if value < 1000:
+        return f"{value:,} bytes"
+    suffixes = ("kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB")
+    exponent = 2  # of the first unit the value is below
+    while exponent <= len(suffixes) and value >= 1000**exponent:
+        exponent += 1
+    return f"{1000 * value / 1000**exponent:,.1f} {suffixes[exponent - 2]}"
 
 
 class _Scale:

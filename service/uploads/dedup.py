@@ -42,6 +42,7 @@ from pathlib import Path
 from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from ..db import reading
 from ..models import VALID_STATES, Checkpoint, File, Replica, ReplicaState, Run, Shard
 from ..storage import layout
 from ..storage.base import ObjectStore, StoreError
@@ -238,7 +239,7 @@ class Deduplicator:
             .order_by(Checkpoint.id.desc())
             .limit(MAX_SOURCES)
         )
-        async with self.sessionmaker() as session:
+        async with reading(self.sessionmaker)() as session:
             rows = (await session.execute(query)).all()
         return [layout.object_key(run, step, rank, path) for run, step, rank, path in rows]
 
@@ -302,7 +303,7 @@ async def _recent_candidates(
             File.sha256.is_not(None),
         )
     )
-    async with sessionmaker() as session:
+    async with reading(sessionmaker)() as session:
         rows = [
             (path, size, cid, step, sha)
             for path, size, cid, step, sha in await session.execute(query)

@@ -9,12 +9,14 @@ from pathlib import Path
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..checkpoints import replicas
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import FINAL, commit_replica, lock_checkpoint
 from ..concurrency import gather_or_cancel
 from ..db import transaction
-from ..jobs import queue
-from ..jobs.worker import JobHandler, PermanentJobError
+from ..jobs import kinds, queue
+from ..jobs.kinds import UploadMode, UploadPayload
+from ..jobs.worker import JobHandler, PermanentJobError, region_store
 from ..models import (
     Checkpoint,
     CheckpointState,
@@ -31,13 +33,12 @@ from ..models import (
     utcnow,
 )
 from ..observability import metrics
-from ..replication.jobs import enqueue_replication
 from ..resources import Resources
 from ..storage import layout
 from ..storage.base import ObjectStore, StoreError
 from ..storage.leftovers import abort_left_uploads
+from ..storage.manifest import manifest_digest
 from .dedup import Deduplicator
-from .manifest import manifest_digest
 from .pipeline import UploadedFile, UploadLimits, upload_file
 from .source import SourceChanged, SourceFile
 
@@ -57,18 +58,6 @@ async def mark_checkpoint_failed(session: AsyncSession, checkpoint_id: int, reas
         return
     checkpoint.state = CheckpointState.FAILED
     checkpoint.error = reason
-
-
-def is_repair(job: Job) -> bool:
-    """A re-upload from the T0 copy into a region whose copy went bad."""
-    return bool((job.payload or {}).get("repair"))
-
-
-def is_fan_out(job: Job) -> bool:
-    """An upload from the T0 copy into a secondary region, run alongside the
-    primary's upload (``[upload] fan_out``) instead of a replicate job after
-    the primary commits: the regions fill in parallel, not one after another."""
-    return bool((job.payload or {}).get("fan_out"))
 
 
 class HashDisagrees(Exception):
@@ -92,9 +81,9 @@ class UploadJobs:
 
     async def upload(self, job: Job) -> None:
         assert job.shard_id is not None and job.region is not None
-        store = self.r.stores.get(job.region)
-        if store is None:
-            raise PermanentJobError(f"region {job.region!r} is not configured on this agent")
+        store = region_store(self.r.stores, job)
+        mode = UploadPayload.from_json(job.payload).mode
+        repair = mode == UploadMode.REPAIR
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await locked(session, job.checkpoint_id)
             if checkpoint.state in FINAL:
@@ -103,14 +92,14 @@ class UploadJobs:
             run = await session.get_one(Run, checkpoint.run_id)
             shard = await session.get_one(Shard, job.shard_id)
             files = list(await session.scalars(select(File).where(File.shard_id == shard.id)))
-            if not is_repair(job):
+            if not repair:
                 # A fan-out upload may start after the primary has finished.
                 if shard.state == ShardState.REGISTERED:
                     shard.state = ShardState.UPLOADING
                 if checkpoint.state == CheckpointState.REGISTERED:
                     checkpoint.state = CheckpointState.UPLOADING
             run_name, step, rank, base = run.name, checkpoint.step, shard.rank, Path(shard.path)
-            if not is_repair(job) and not is_fan_out(job):
+            if mode == UploadMode.PRIMARY:
                 await self._fan_out(session, checkpoint, job)
 
         sources = [
@@ -138,7 +127,7 @@ class UploadJobs:
             await Deduplicator.prepare(
                 self.r.sessionmaker, store, checkpoint_id=job.checkpoint_id, run=run_name, rank=rank
             )
-            if self.r.settings.upload.dedup and not is_repair(job)
+            if self.r.settings.upload.dedup and not repair
             else None
         )
         try:
@@ -146,7 +135,7 @@ class UploadJobs:
         except SourceChanged as exc:
             raise PermanentJobError(str(exc)) from exc
         sent = sum(u.size for u in uploaded if not u.copied)
-        metrics.observe_upload(job.region, sent, repair=is_repair(job))
+        metrics.observe_upload(job.region, sent, repair=repair)
         metrics.observe_dedup(job.region, sum(u.size for u in uploaded) - sent)
 
         by_path = {u.relative: u.sha256 for u in uploaded}
@@ -155,7 +144,7 @@ class UploadJobs:
             deleted = checkpoint.state == CheckpointState.DELETED
             if deleted:
                 await queue.complete(session, job)
-            elif is_repair(job):
+            elif repair:
                 await queue.complete(session, job)
                 await self._commit_repair_when_complete(session, checkpoint, job.region)
                 return
@@ -176,7 +165,7 @@ class UploadJobs:
             # through the region before these objects landed. Take them back.
             await _withdraw(store, [s.key for s in sources])
             return
-        self.r.wake_worker()
+        self.r.wake()
 
     async def _fan_out(self, session: AsyncSession, checkpoint: Checkpoint, job: Job) -> None:
         """Queue this shard's upload into every secondary region too, from the
@@ -184,11 +173,12 @@ class UploadJobs:
 
         Only for single-shard checkpoints: a secondary region's manifest needs
         every rank, and ranks of one checkpoint live on different nodes; a
-        sharded checkpoint is replicated after the primary commits, as before.
+        sharded checkpoint is replicated after the primary commits.
         A fan-out upload that cannot finish falls back to that replicate job.
         """
         settings = self.r.settings
-        if not settings.upload.fan_out or checkpoint.world_size != 1:
+        shard_id = job.shard_id
+        if not settings.upload.fan_out or checkpoint.world_size != 1 or shard_id is None:
             return
         pending = await session.scalars(
             select(Replica.region).where(
@@ -204,16 +194,15 @@ class UploadJobs:
             # copy sends no bytes at all, which beats a second upload.
             if store is None or (primary is not None and store.copies_server_side_from(primary)):
                 continue
-            await queue.enqueue(
+            await kinds.enqueue_upload(
                 session,
-                JobKind.UPLOAD,
                 checkpoint.id,
-                shard_id=job.shard_id,
+                shard_id=shard_id,
                 region=region,
                 node=job.node,
+                mode=UploadMode.FAN_OUT,
+                worker=settings.worker,
                 priority=job.priority,
-                payload={"fan_out": True},
-                max_attempts=settings.worker.max_attempts,
             )
 
     async def _one(self, store, source: SourceFile, roots: list[Path], dedup=None) -> UploadedFile:  # type: ignore[no-untyped-def]
@@ -229,13 +218,12 @@ class UploadJobs:
             .where(Shard.checkpoint_id == checkpoint.id, Shard.state == ShardState.UPLOADED)
         )
         if uploaded == checkpoint.world_size:
-            await queue.enqueue(
+            await kinds.enqueue_commit(
                 session,
-                JobKind.COMMIT,
                 checkpoint.id,
                 region=region,
+                worker=self.r.settings.worker,
                 priority=priority_of(checkpoint.priority),
-                max_attempts=self.r.settings.worker.max_attempts,
             )
 
     async def _commit_repair_when_complete(
@@ -252,23 +240,22 @@ class UploadJobs:
             )
         )
         if not others:
-            await queue.enqueue(
-                session,
-                JobKind.COMMIT,
-                checkpoint.id,
-                region=region,
-                max_attempts=self.r.settings.worker.max_attempts,
+            await kinds.enqueue_commit(
+                session, checkpoint.id, region=region, worker=self.r.settings.worker
             )
 
     async def upload_failed(self, session: AsyncSession, job: Job, error: str) -> None:
-        if is_repair(job):
-            await session.execute(
-                update(Replica)
-                .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
-                .values(error=f"repair from the local copy failed: {error}"[:4000])
+        assert job.region is not None
+        mode = UploadPayload.from_json(job.payload).mode
+        if mode == UploadMode.REPAIR:
+            await replicas.note_error(
+                session,
+                job.checkpoint_id,
+                job.region,
+                f"repair from the local copy failed: {error}",
             )
             return
-        if is_fan_out(job):
+        if mode == UploadMode.FAN_OUT:
             # The region is not lost: it is filled from a committed region
             # instead, by the replicate job that never gives up.
             await self._fall_back_to_replication(session, job, f"upload from T0 failed: {error}")
@@ -285,33 +272,16 @@ class UploadJobs:
         await self._fall_back_to_replication(session, job, f"upload failed: {error}")
 
     async def _fall_back_to_replication(self, session: AsyncSession, job: Job, error: str) -> None:
-        await session.execute(
-            update(Replica)
-            .where(Replica.checkpoint_id == job.checkpoint_id, Replica.region == job.region)
-            .values(error=error[:4000])
-        )
+        assert job.region is not None
+        await replicas.note_error(session, job.checkpoint_id, job.region, error)
         checkpoint = await locked(session, job.checkpoint_id)
-        await enqueue_replication(session, checkpoint, self.r)
-        # The safety-net replicate job may be waiting out its grace period
-        # for this very upload: it has nothing left to wait for.
-        await session.execute(
-            update(Job)
-            .where(
-                Job.checkpoint_id == job.checkpoint_id,
-                Job.region == job.region,
-                Job.kind == JobKind.REPLICATE,
-                Job.state == JobState.QUEUED,
-            )
-            .values(run_after=utcnow())
-        )
+        await kinds.fall_back_to_replication(session, checkpoint, job.region, self.r.stores)
 
     # -- commit: MANIFEST.json last, then the region counts ------------------
 
     async def commit(self, job: Job) -> None:
         assert job.region is not None
-        store = self.r.stores.get(job.region)
-        if store is None:
-            raise PermanentJobError(f"region {job.region!r} is not configured on this agent")
+        store = region_store(self.r.stores, job)
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await locked(session, job.checkpoint_id)
             if checkpoint.state in FINAL:
@@ -355,7 +325,7 @@ class UploadJobs:
             min_regions=self.r.settings.durability.min_regions,
             region_count=len(self.r.settings.regions),
         )
-        await enqueue_replication(session, checkpoint, self.r)
+        await kinds.enqueue_replication(session, checkpoint, self.r.stores)
 
     async def commit_failed(self, session: AsyncSession, job: Job, error: str) -> None:
         # A secondary region's commit (after a fan-out upload) does not fail
@@ -380,14 +350,22 @@ async def _record_hashes(
     session: AsyncSession, shard_id: int | None, hashes: dict[str, str]
 ) -> None:
     """Store the SHA-256 each upload computed; with several regions uploading
-    the same T0 files, every later read must agree with the first."""
-    files = await session.scalars(select(File).where(File.shard_id == shard_id))
-    for f in files:
-        digest = hashes[f.path]
-        if f.sha256 is None:
-            await session.execute(update(File).where(File.id == f.id).values(sha256=digest))
-        elif f.sha256 != digest:
+    the same T0 files, every later read must agree with the first. One
+    statement for all the shard's files (an executemany): the transaction
+    holds the catalog's write lock (SQLite), which a statement per file
+    would hold for as many round trips as the shard has files."""
+    files = await session.execute(
+        select(File.id, File.path, File.sha256).where(File.shard_id == shard_id)
+    )
+    missing = []
+    for file_id, path, known in files:
+        digest = hashes[path]
+        if known is None:
+            missing.append({"id": file_id, "sha256": digest})
+        elif known != digest:
             raise HashDisagrees(
-                f"{f.path}: SHA-256 {digest} differs from {f.sha256} read earlier; "
+                f"{path}: SHA-256 {digest} differs from {known} read earlier; "
                 "the file changed after registration"
             )
+    if missing:
+        await session.execute(update(File), missing)

@@ -36,9 +36,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import postgres as pg
-from tests.support.processes import ServeProcess, free_port, write_config
-from tests.support.seaweed import SeaweedServer
+from devsupport import postgres as pg
+from devsupport.processes import ServeProcess, free_port, write_config
+from devsupport.seaweed import SeaweedServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.agent import write_checkpoint
-from tests.support.processes import ServeProcess, cli, free_port, write_config
-from tests.support.seaweed import SeaweedServer
+from devsupport.agent import write_checkpoint
+from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.seaweed import SeaweedServer
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.agent import write_checkpoint
-from tests.support.processes import TIERCKPT, cli, free_port
+from devsupport.agent import write_checkpoint
+from devsupport.processes import TIERCKPT, cli, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.agent import posix_region, write_checkpoint
-from tests.support.processes import ServeProcess, free_port, write_config
+from devsupport.agent import posix_region, write_checkpoint
+from devsupport.processes import ServeProcess, free_port, write_config
 from tierckpt.client import CheckpointClient
 from tierckpt.client.journal import PENDING_STATE, RegistrationJournal
 

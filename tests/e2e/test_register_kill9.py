@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.processes import ServeProcess, free_port, write_config
+from devsupport.processes import ServeProcess, free_port, write_config
 
 pytestmark = pytest.mark.e2e
 

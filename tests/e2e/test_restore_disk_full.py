@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.agent import write_checkpoint
-from tests.support.processes import ServeProcess, cli, free_port, write_config
+from devsupport.agent import write_checkpoint
+from devsupport.processes import ServeProcess, cli, free_port, write_config
 
 pytestmark = pytest.mark.e2e
 

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.agent import write_checkpoint
-from tests.support.processes import ServeProcess, cli, free_port, write_config
-from tests.support.seaweed import SeaweedServer, boto3_client, overwrite_object
+from devsupport.agent import write_checkpoint
+from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.seaweed import SeaweedServer, boto3_client, overwrite_object
 
 pytestmark = pytest.mark.e2e
 
@@ -227,6 +227,8 @@ def test_sigterm_releases_work_and_cli_exit_codes(
     agent_config: tuple[Path, int, Path], tmp_path: Path
 ) -> None:
     config, port, ssd = agent_config
+    # No drain (tests/e2e/test_drain.py has it): SIGTERM gives the job back.
+    config.write_text(config.read_text().replace("[worker]\n", "[worker]\ndrain_seconds = 0\n"))
     ckpt = write_checkpoint(ssd / "run" / "step-1", {"w.bin": 60 << 20})
     agent = ServeProcess(config, port, tmp_path / "serve.log").start()
     try:
@@ -237,6 +239,7 @@ def test_sigterm_releases_work_and_cli_exit_codes(
         assert agent.terminate(timeout=60) in (0, -15)
         log = (tmp_path / "serve.log").read_text()
         assert "Application shutdown complete" in log
+        assert "draining" not in log
     finally:
         agent.kill()
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.processes import ServeProcess, free_port, write_config
+from devsupport.processes import ServeProcess, free_port, write_config
 
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from devsupport.processes import cli
 from tests.e2e.test_torch_resume import AgentFactory, settle, start_agent  # noqa: F401
-from tests.support.processes import cli
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")

@@ -32,8 +32,8 @@ from typing import IO, Any
 import httpx
 import pytest
 
-from tests.support.processes import ServeProcess, cli, free_port, write_config
-from tests.support.seaweed import SeaweedServer
+from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.seaweed import SeaweedServer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")

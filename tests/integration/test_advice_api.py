@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.agent import running_agent, write_checkpoint
+from devsupport.agent import running_agent, write_checkpoint
 from tierckpt.client import AsyncCheckpointClient
 
 HOUR = 3600.0

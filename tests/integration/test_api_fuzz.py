@@ -32,7 +32,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.support.agent import make_settings, posix_region, write_checkpoint
+from devsupport.agent import make_settings, posix_region, write_checkpoint
 from tierckpt.service.app import create_app
 from tierckpt.service.migrate import upgrade
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.agent import Agent, running_agent, token_entry, write_checkpoint
+from devsupport.agent import Agent, running_agent, token_entry, write_checkpoint
 
 ADMIN, TRAINER, READER = "admin-secret", "trainer-secret", "reader-secret"
 TOKENS = [

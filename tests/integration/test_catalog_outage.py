@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.agent import Agent, running_agent, write_checkpoint
-from tests.support.tcpproxy import TcpProxy
+from devsupport.agent import Agent, running_agent, write_checkpoint
+from devsupport.tcpproxy import TcpProxy
 from tierckpt.service import db
 
 pytestmark = pytest.mark.postgres
@@ -53,8 +53,8 @@ async def test_catalog_outage_is_503_and_work_resumes(
         assert registered.status_code == 202, registered.text
         # Cut at once: the upload is in flight (or not even claimed yet).
         proxy.cut()
-        assert agent.resources.worker is not None
-        worker_task = agent.resources.worker._main
+        assert agent.process.worker is not None
+        worker_task = agent.process.worker._main
         assert worker_task is not None
 
         ready = await agent.http.get("/readyz")
@@ -137,8 +137,8 @@ async def test_partitioned_catalog_is_503_within_the_timeouts(
         ckpt = write_checkpoint(agent.ssd / "s1", {"w": b"1"})
         for _ in range(3):  # pooled, recently used connections: no ping
             assert (await agent.http.get("/v1/runs/r/latest")).status_code == 404
-        assert agent.resources.worker is not None
-        worker_task = agent.resources.worker._main
+        assert agent.process.worker is not None
+        worker_task = agent.process.worker._main
         assert worker_task is not None
 
         proxy.stall()

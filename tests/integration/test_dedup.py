@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.agent import (
+from devsupport.agent import (
     Agent,
     AgentOrNetwork,
     posix_region,
@@ -21,7 +21,7 @@ from tests.support.agent import (
     s3_region,
     write_checkpoint,
 )
-from tests.support.seaweed import SeaweedServer
+from devsupport.seaweed import SeaweedServer
 from tierckpt.client import AsyncCheckpointClient
 from tierckpt.service.observability import metrics
 from tierckpt.service.storage import s3 as s3_module

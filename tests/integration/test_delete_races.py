@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from tests.support.agent import Agent, running_agent, write_checkpoint
+from devsupport.agent import Agent, running_agent, write_checkpoint
 from tierckpt.service.models import Checkpoint, Job, Replica
 
 

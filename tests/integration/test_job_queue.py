@@ -8,25 +8,14 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select, update
 
-from tierckpt.service.db import create_engine, create_sessionmaker, transaction
+from tierckpt.service.db import transaction
 from tierckpt.service.jobs import queue
-from tierckpt.service.migrate import upgrade
-from tierckpt.service.models import Checkpoint, Job, JobState, Run, utcnow
+from tierckpt.service.models import Job, JobState, Shard, utcnow
 
 
 @pytest.fixture
-async def catalog(catalog_url: str):  # type: ignore[no-untyped-def]
-    await asyncio.to_thread(upgrade, catalog_url)
-    engine = create_engine(catalog_url)
-    sessionmaker = create_sessionmaker(engine)
-    async with transaction(sessionmaker) as session:
-        run = Run(name="r")
-        session.add(run)
-        await session.flush()
-        checkpoints = [Checkpoint(run_id=run.id, step=s) for s in range(40)]
-        session.add_all(checkpoints)
-    yield sessionmaker, [c.id for c in checkpoints]
-    await engine.dispose()
+async def catalog(seeded_catalog):  # type: ignore[no-untyped-def]
+    return await seeded_catalog(40)
 
 
 async def claim(sessionmaker, node: str = "n1", lease: float = 30):  # type: ignore[no-untyped-def]
@@ -107,6 +96,47 @@ async def test_release_node_leases_frees_a_dead_incarnations_jobs(catalog) -> No
         assert await queue.release_node_leases(session, "n1") == 1
     again = await claim(sessionmaker, node="n1")
     assert again is not None and again.checkpoint_id == ids[0]
+
+
+async def test_a_draining_node_claims_only_its_own_work_urgent_first(catalog) -> None:  # type: ignore[no-untyped-def]
+    sessionmaker, ids = catalog
+    async with transaction(sessionmaker) as session:
+        for checkpoint_id, node in ((ids[2], "n1"), (ids[3], "n2")):
+            session.add(
+                Shard(checkpoint_id=checkpoint_id, rank=0, node=node, path="/p", fingerprint="f")
+            )
+        await queue.enqueue(session, "upload", ids[0], region="east", node="n1")
+        await queue.enqueue(session, "upload", ids[1], region="east", node="n1", priority=100)
+        await queue.enqueue(session, "commit", ids[2], region="east")  # a shard on n1
+        await queue.enqueue(session, "commit", ids[3], region="east")  # only on n2
+        await queue.enqueue(session, "replicate", ids[4], region="west", priority=100)
+        await queue.enqueue(session, "upload", ids[5], region="east", node="n2")
+    async with sessionmaker() as session:
+        assert await queue.node_work_left(session, "n1") == 3
+
+    async def drain_claim():  # type: ignore[no-untyped-def]
+        async with transaction(sessionmaker) as session:
+            return await queue.claim(
+                session, owner="n1:1:x", node="n1", lease_seconds=30, node_work_only=True
+            )
+
+    claimed = [await drain_claim() for _ in range(4)]
+    assert claimed[3] is None  # the replicate job and n2's work are left to others
+    assert [(j.kind, j.checkpoint_id) for j in claimed[:3]] == [
+        ("upload", ids[1]),  # urgent first
+        ("upload", ids[0]),
+        ("commit", ids[2]),
+    ]
+    async with sessionmaker() as session:
+        assert await queue.node_work_left(session, "n1") == 3  # running still counts
+    async with transaction(sessionmaker) as session:
+        for job in claimed[:3]:
+            await queue.complete(session, job)
+    async with sessionmaker() as session:
+        assert await queue.node_work_left(session, "n1") == 0
+    # Not draining: the node takes shared work too.
+    replicate = await claim(sessionmaker, node="n1")
+    assert replicate is not None and replicate.kind == "replicate"
 
 
 async def test_concurrent_claimers_never_share_a_job(catalog) -> None:  # type: ignore[no-untyped-def]

@@ -17,8 +17,8 @@ from sqlalchemy import insert
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import make_url
 
-from tests.support import postgres as pg
-from tests.support.agent import posix_region, running_agent, write_checkpoint
+from devsupport import postgres as pg
+from devsupport.agent import posix_region, running_agent, write_checkpoint
 from tierckpt.service import db
 from tierckpt.service.checkpoints import repository as repo
 from tierckpt.service.checkpoints.schemas import LatestOut

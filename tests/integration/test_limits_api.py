@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.agent import Agent, running_agent, token_entry, write_checkpoint
+from devsupport.agent import Agent, running_agent, token_entry, write_checkpoint
 
 ALICE, BOB = "alice-token", "bob-token"
 
@@ -141,7 +141,16 @@ async def test_run_names_in_paths_follow_the_same_rules(tmp_path: Path) -> None:
     """No route can look up, create (PUT retention) or build keys from a run
     name registration would refuse."""
     async with running_agent(catalog(tmp_path), tmp_path, start_worker=False) as agent:
-        for run in ("bad run", "x" * 129, "a%2Fb", "%2E", "%2E%2E", "caf%C3%A9"):
+        for run in (
+            "bad run",
+            "x" * 129,
+            "a%2Fb",
+            "%2E",
+            "%2E%2E",
+            "caf%C3%A9",
+            "abc%0A",
+            "%2E%2E%0A",
+        ):
             for method, url, body in (
                 ("GET", f"/v1/runs/{run}/latest", None),
                 ("GET", f"/v1/runs/{run}/checkpoints/1", None),

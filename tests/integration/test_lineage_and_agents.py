@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from tests.support.agent import running_agent, write_checkpoint
+from devsupport.agent import running_agent, write_checkpoint
 from tierckpt.client import AsyncCheckpointClient
 from tierckpt.service.db import transaction
 from tierckpt.service.models import Job, Shard

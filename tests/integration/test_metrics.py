@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.agent import (
+from devsupport.agent import (
     Agent,
     posix_region,
     running_agent,
@@ -18,7 +18,7 @@ from tests.support.agent import (
     token_entry,
     write_checkpoint,
 )
-from tests.support.seaweed import SeaweedServer
+from devsupport.seaweed import SeaweedServer
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

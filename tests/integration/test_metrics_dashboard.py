@@ -7,7 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
-from tests.support.agent import (
+from devsupport.agent import (
     posix_region,
     running_agent,
     token_entry,

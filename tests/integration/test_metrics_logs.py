@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.agent import posix_region, running_agent, write_checkpoint
+from devsupport.agent import posix_region, running_agent, write_checkpoint
 from tierckpt.service.observability.logs import make_handler
 
 

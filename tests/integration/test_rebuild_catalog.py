@@ -25,20 +25,25 @@ import pytest
 from rich.console import Console
 from sqlalchemy import text
 
-from tests.support import postgres as pg
-from tests.support.agent import (
+from devsupport import postgres as pg
+from devsupport.agent import (
     make_settings,
     posix_region,
     running_agent,
     s3_region,
     write_checkpoint,
 )
-from tests.support.processes import cli, free_port, write_config
-from tests.support.seaweed import SeaweedServer
+from devsupport.processes import cli, free_port, write_config
+from devsupport.seaweed import SeaweedServer
+from tierckpt.client.rebuild_report import render_report
 from tierckpt.service.db import create_engine
-from tierckpt.service.rebuild import rebuild, render_report
-from tierckpt.service.rebuild.rebuild import InvalidManifest, read_manifest
-from tierckpt.service.uploads.manifest import ManifestFile, build_manifest
+from tierckpt.service.rebuild import rebuild
+from tierckpt.service.storage.manifest import (
+    InvalidManifest,
+    ObjectEntry,
+    build_manifest,
+    parse_manifest,
+)
 
 RUN = "llm"
 PREFIX = "prod"
@@ -314,7 +319,10 @@ def _manifest(**changes: Any) -> bytes:
             metrics={"loss": 1.0},
             metadata={},
             created_at=datetime(2024, 5, 1, 12, 0, 0, 123456),
-            files=[ManifestFile(0, "a/b.bin", 3, "a" * 64), ManifestFile(1, "c", 0, "b" * 64)],
+            files=[
+                ObjectEntry.of(RUN, 7, 0, "a/b.bin", 3, "a" * 64),
+                ObjectEntry.of(RUN, 7, 1, "c", 0, "b" * 64),
+            ],
         )
     )
     document.update(changes)
@@ -323,7 +331,7 @@ def _manifest(**changes: Any) -> bytes:
 
 def test_manifest_checks() -> None:
     """What the rebuild accepts from a MANIFEST.json, and what it reports as invalid."""
-    good = read_manifest("east", _manifest(), RUN, 7)
+    good = parse_manifest(_manifest(), RUN, 7)
     assert good.world_size == 2 and good.parent == (RUN, 6)
     assert good.created_at == datetime(2024, 5, 1, 12, 0, 0, 123456)
     assert [(e.rank, e.path) for e in good.files] == [(0, "a/b.bin"), (1, "c")]
@@ -345,4 +353,4 @@ def test_manifest_checks() -> None:
         (_manifest(parent={"run": "a/b", "step": 1}), "parent"),
     ]:
         with pytest.raises(InvalidManifest, match=why):
-            read_manifest("east", data, RUN, 7)
+            parse_manifest(data, RUN, 7)

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.agent import Agent, AgentOrNetwork, running_agent, s3_region, write_checkpoint
-from tests.support.seaweed import SeaweedServer, boto3_client, overwrite_object
+from devsupport.agent import Agent, AgentOrNetwork, running_agent, s3_region, write_checkpoint
+from devsupport.seaweed import SeaweedServer, boto3_client, overwrite_object
 from tierckpt.client import AsyncCheckpointClient
 
 PREFIX = "prod"
@@ -321,17 +321,17 @@ async def test_replication_supersedes_a_fan_out_upload_that_never_started(
     from sqlalchemy import select
 
     from tierckpt.service.db import transaction
-    from tierckpt.service.jobs import queue
+    from tierckpt.service.jobs import kinds, queue
     from tierckpt.service.models import Shard
-    from tierckpt.service.replication import jobs as replication
 
-    monkeypatch.setattr(replication, "FAN_OUT_GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(kinds, "FAN_OUT_GRACE_SECONDS", 0.2)
     regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket)
     async with running_agent(catalog_url, tmp_path, regions, start_worker=False) as agent:
         ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 3 << 20})
         assert (await agent.register("gone", 1, ckpt)).status_code == 202
-        # The west upload as the fan-out queues it, but bound to a node whose
-        # agent never comes back (the primary's own fan-out then dedupes on it).
+        # The west upload as the fan-out queues it (its stored payload, as
+        # every agent version writes it), but bound to a node whose agent
+        # never comes back (the primary's own fan-out then dedupes on it).
         async with transaction(agent.resources.sessionmaker) as session:
             shard = (await session.scalars(select(Shard))).one()
             assert await queue.enqueue(

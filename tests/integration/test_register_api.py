@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from tests.support.agent import running_agent, write_checkpoint
+from devsupport.agent import running_agent, write_checkpoint
 from tierckpt.client import AsyncCheckpointClient
 
 

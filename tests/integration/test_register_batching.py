@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from tests.support.agent import Agent, running_agent, write_checkpoint
-from tests.support.tcpproxy import TcpProxy
-from tierckpt.service.checkpoints.batching import Outcome, batcher_for
+from devsupport.agent import Agent, running_agent, write_checkpoint
+from devsupport.tcpproxy import TcpProxy
+from tierckpt.service.checkpoints.batch_write import Outcome
 from tierckpt.service.checkpoints.scan import ScannedShard
 from tierckpt.service.checkpoints.schemas import RegisterRequest
 from tierckpt.service.checkpoints.service import submit_registration
@@ -39,7 +39,8 @@ def request(agent: Agent, run: str, step: int, path: Path, **extra: Any) -> Regi
 async def submit_together(agent: Agent, requests: list[RegisterRequest]) -> list[Any]:
     """Submit in one loop iteration: one batch (checked by the caller)."""
     return await asyncio.gather(
-        *(submit_registration(agent.resources, r) for r in requests), return_exceptions=True
+        *(submit_registration(agent.resources, agent.process.registrations, r) for r in requests),
+        return_exceptions=True,
     )
 
 
@@ -60,7 +61,7 @@ async def test_many_concurrent_registrations_are_all_committed(
         assert [a.status_code for a in answers] == [202] * len(paths), [
             a.text for a in answers if a.status_code != 202
         ][:3]
-        batcher = batcher_for(agent.resources)
+        batcher = agent.process.registrations
         assert batcher.largest_batch > 1, "the registrations were not batched"
         assert batcher.batches < len(paths)
 
@@ -95,7 +96,7 @@ async def test_one_bad_registration_does_not_fail_its_batch(
         good = [write_checkpoint(ssd / f"g{i}", {"w.bin": b"good"}) for i in range(10)]
         changed = write_checkpoint(ssd / "changed", {"w.bin": b"new content"})
 
-        batcher = batcher_for(agent.resources)
+        batcher = agent.process.registrations
         before = batcher.batches
         results = await submit_together(
             agent,
@@ -133,8 +134,7 @@ async def test_a_statement_the_catalog_refuses_fails_only_that_registration(
     batch is then written one by one and only that registration fails."""
     async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
         paths = [write_checkpoint(agent.ssd / f"s{i}", {"w.bin": b"x"}) for i in range(6)]
-        resources = agent.resources
-        batcher = batcher_for(resources)
+        batcher = agent.process.registrations
         real_submit = batcher.submit
 
         async def tampering_submit(registration: Any) -> Outcome:
@@ -174,7 +174,7 @@ async def test_idempotent_and_multi_rank_within_one_batch(catalog_url: str, tmp_
         ranks = [
             write_checkpoint(agent.ssd / f"rank{i}", {"w.bin": b"r" * (i + 1)}) for i in range(4)
         ]
-        batcher = batcher_for(agent.resources)
+        batcher = agent.process.registrations
         before = batcher.batches
         results = await submit_together(
             agent,

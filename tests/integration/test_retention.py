@@ -11,8 +11,8 @@ from typing import Any
 
 from sqlalchemy import update
 
-from tests.support.agent import Agent, running_agent, s3_region, write_checkpoint
-from tests.support.seaweed import SeaweedServer
+from devsupport.agent import Agent, running_agent, s3_region, write_checkpoint
+from devsupport.seaweed import SeaweedServer
 from tierckpt.service.db import transaction
 from tierckpt.service.models import Checkpoint, utcnow
 from tierckpt.service.retention.service import apply_all, evict_local_copies

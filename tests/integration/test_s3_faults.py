@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.agent import running_agent, s3_region, write_checkpoint
-from tests.support.s3proxy import S3FaultProxy
-from tests.support.seaweed import SeaweedServer
+from devsupport.agent import running_agent, s3_region, write_checkpoint
+from devsupport.s3proxy import S3FaultProxy
+from devsupport.seaweed import SeaweedServer
 
 PREFIX = "prod"
 

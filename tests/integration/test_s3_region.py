@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.agent import (
+from devsupport.agent import (
     AgentOrNetwork,
     posix_region,
     running_agent,
     s3_region,
     write_checkpoint,
 )
-from tests.support.seaweed import SeaweedServer
+from devsupport.seaweed import SeaweedServer
 from tierckpt.client import AsyncCheckpointClient
 from tierckpt.service.config import RegionSettings
 from tierckpt.service.storage.factory import build_store

@@ -7,7 +7,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from tests.support.agent import running_agent, write_checkpoint
+from devsupport.agent import running_agent, write_checkpoint
 
 
 async def test_get_answers_while_another_connection_holds_the_write_lock(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from tests.support import postgres as pg
-from tests.support.seaweed import SeaweedServer, boto3_client
+from devsupport import postgres as pg
+from devsupport.seaweed import SeaweedServer, boto3_client
 
 
 def test_seaweed_put_get_survives_restart(tmp_path: Path) -> None:

@@ -243,3 +243,16 @@ def test_postgres_statefulset_matches_the_catalog_secret(resources):
     assert statefulset["spec"]["replicas"] == 1
     probe = statefulset["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     assert shlex.join(probe["exec"]["command"]) == f"pg_isready -U {user} -d {db}"
+
+
+# Seconds the agent needs after its drain: give back running jobs, close the
+# registration writer and the catalog.
+SHUTDOWN_AFTER_DRAIN = 5
+
+
+def test_grace_period_covers_the_drain(daemonset, settings):
+    """SIGTERM starts the drain ([worker] drain_seconds); the kubelet's SIGKILL
+    must not land inside it, or the trainer's urgent upload is cut short."""
+    grace = daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert settings.worker.drain_seconds > 0
+    assert grace >= settings.worker.drain_seconds + SHUTDOWN_AFTER_DRAIN

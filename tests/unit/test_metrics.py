@@ -28,7 +28,7 @@ from tierckpt.service.observability.logs import (
 )
 from tierckpt.service.observability.middleware import RequestContext
 from tierckpt.service.ui import svg
-from tierckpt.service.ui.data import CheckpointView, LineageNode, ReplicaView
+from tierckpt.service.ui.views import CheckpointView, LineageNode, ReplicaView
 
 try:
     from test_client_fakeapi import BASE_URL, FakeApi
@@ -104,9 +104,8 @@ async def test_catalog_down_still_answers_with_catalog_up_zero():
             server=SimpleNamespace(node="n1"),
         ),
         sessionmaker=Broken(),
-        worker=SimpleNamespace(busy=3),
     )
-    text = render_families(await catalog_families(resources)).decode()  # type: ignore[arg-type]
+    text = render_families(await catalog_families(resources, 3)).decode()  # type: ignore[arg-type]
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values["tierckpt_catalog_up"] == 0
     assert values["tierckpt_worker_busy_jobs"] == 3

@@ -15,7 +15,7 @@ from tierckpt.client import (
     CheckpointClient,
     DestinationError,
     TransferOptions,
-    _download,
+    _range_writes,
     cli,
 )
 from tierckpt.client import restore as restore_module
@@ -63,7 +63,7 @@ async def test_enospc_while_writing_leaves_nothing(
         budget["bytes"] -= len(data)
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(_download.os, "pwrite", pwrite)
+    monkeypatch.setattr(_range_writes.os, "pwrite", pwrite)
     parent = tmp_path / "parent"
     parent.mkdir()
     (parent / "other-run").mkdir()  # the user's own files stay untouched
@@ -107,7 +107,7 @@ def test_cli_exit_code_for_a_full_disk(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(_download.os, "pwrite", pwrite)
+    monkeypatch.setattr(_range_writes.os, "pwrite", pwrite)
     monkeypatch.setattr(
         cli,
         "_client",

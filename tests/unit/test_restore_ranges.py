@@ -27,6 +27,8 @@ import pytest
 
 from tierckpt.client import RestoreError, TransferOptions
 from tierckpt.client import _download as download
+from tierckpt.client import _download_transport as transport_module
+from tierckpt.client import _range_writes as range_writes
 from tierckpt.client.models import PlanFile, RestorePlan, RestoreSource
 from tierckpt.client.restore import restore_from_plan
 
@@ -171,7 +173,7 @@ def direct(request: pytest.FixtureRequest) -> bool:
 async def restore(
     plan: RestorePlan, dest: Path, direct: bool, options: TransferOptions = OPTIONS
 ) -> Path:
-    async with httpx.AsyncClient(transport=download.download_transport(options)) as http:
+    async with httpx.AsyncClient(transport=transport_module.download_transport(options)) as http:
         return await restore_from_plan(
             plan, dest, http=http, token=None, options=options, direct=direct
         )
@@ -195,14 +197,14 @@ async def test_range_buffers_are_reused_and_bounded_by_the_window(
     server, tmp_path, direct, monkeypatch
 ):
     made: list[int] = []
-    original = download._Buffers.take
+    original = range_writes.RangeBuffers.take
 
-    def take(self: download._Buffers) -> bytearray:
+    def take(self: range_writes.RangeBuffers) -> bytearray:
         if not self._free:
             made.append(self.size)
         return original(self)
 
-    monkeypatch.setattr(download._Buffers, "take", take)
+    monkeypatch.setattr(range_writes.RangeBuffers, "take", take)
     big = {"big.bin": blob(40 * RANGE + 7, 1), "small.bin": blob(10, 2)}
     await restore(server.plan(["east"], big), tmp_path / "dest", direct)
     assert tree(tmp_path / "dest") == big
@@ -270,7 +272,9 @@ async def test_interrupted_restore_leaves_nothing(server, tmp_path, direct):
             started.set()
 
     async def run() -> None:
-        async with httpx.AsyncClient(transport=download.download_transport(OPTIONS)) as http:
+        async with httpx.AsyncClient(
+            transport=transport_module.download_transport(OPTIONS)
+        ) as http:
             await restore_from_plan(
                 plan,
                 dest,
@@ -292,7 +296,7 @@ async def test_interrupted_restore_leaves_nothing(server, tmp_path, direct):
 async def test_idle_connections_are_reused_and_a_closed_one_is_not(server, tmp_path):
     """The download transport answers httpcore's "is this idle connection
     readable?" itself; a connection the server closed must not be reused."""
-    transport = download.download_transport(OPTIONS)
+    transport = transport_module.download_transport(OPTIONS)
     async with httpx.AsyncClient(transport=transport) as http:
         server.objects["x"] = b"hello"
         for _ in range(3):
@@ -309,13 +313,13 @@ async def test_idle_connections_are_reused_and_a_closed_one_is_not(server, tmp_p
 
 
 def test_download_transport_reads_big_chunks():
-    assert download.READ_SIZE >= 256 * 1024
-    transport = download.download_transport(TransferOptions(concurrency=12))
+    assert transport_module.READ_SIZE >= 256 * 1024
+    transport = transport_module.download_transport(TransferOptions(concurrency=12))
     assert isinstance(transport, httpx.AsyncHTTPTransport)
     pool = getattr(transport, "_pool", None)
     if pool is not None:  # the httpx this was written for
         assert pool._max_connections == 12
-        assert isinstance(pool._network_backend, download._BigReadBackend)
+        assert isinstance(pool._network_backend, transport_module._BigReadBackend)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
@@ -323,14 +327,14 @@ def test_writeback_is_started_per_range_and_is_only_a_hint(tmp_path: Path) -> No
     target = tmp_path / "f.bin"
     fd = os.open(target, os.O_WRONLY | os.O_CREAT)
     try:
-        download._write_range(fd, b"x" * 3 * RANGE, RANGE)
-        assert download.start_writeback(fd, 0, 4 * RANGE) is True
+        range_writes.write_range(fd, b"x" * 3 * RANGE, RANGE)
+        assert range_writes.start_writeback(fd, 0, 4 * RANGE) is True
     finally:
         os.close(fd)
     assert target.read_bytes() == bytes(RANGE) + b"x" * 3 * RANGE
     # A closed descriptor: the call fails, nothing is raised (fsync decides).
-    assert download.start_writeback(fd, 0, RANGE) is False
-    assert download.start_writeback(fd, 0, 0) is False
+    assert range_writes.start_writeback(fd, 0, RANGE) is False
+    assert range_writes.start_writeback(fd, 0, 0) is False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux's")
@@ -338,10 +342,10 @@ def test_files_are_preallocated_and_a_full_disk_says_so_up_front(tmp_path: Path,
     target = tmp_path / "f.bin"
     fd = os.open(target, os.O_WRONLY | os.O_CREAT)
     try:
-        assert download.preallocate(fd, 10 * RANGE) is True
+        assert range_writes.preallocate(fd, 10 * RANGE) is True
         assert os.fstat(fd).st_size == 10 * RANGE
         assert os.fstat(fd).st_blocks * 512 >= 10 * RANGE  # reserved, not sparse
-        assert download.preallocate(fd, 0) is False
+        assert range_writes.preallocate(fd, 0) is False
 
         def failing(code: int):  # type: ignore[no-untyped-def]
             def fallocate(*args: object) -> int:
@@ -350,11 +354,11 @@ def test_files_are_preallocated_and_a_full_disk_says_so_up_front(tmp_path: Path,
 
             return fallocate
 
-        monkeypatch.setattr(download, "_FALLOCATE", failing(errno.EOPNOTSUPP))
-        assert download.preallocate(fd, RANGE) is False  # only slower
-        monkeypatch.setattr(download, "_FALLOCATE", failing(errno.ENOSPC))
+        monkeypatch.setattr(range_writes, "_FALLOCATE", failing(errno.EOPNOTSUPP))
+        assert range_writes.preallocate(fd, RANGE) is False  # only slower
+        monkeypatch.setattr(range_writes, "_FALLOCATE", failing(errno.ENOSPC))
         with pytest.raises(OSError) as raised:
-            download.preallocate(fd, RANGE)
+            range_writes.preallocate(fd, RANGE)
         assert raised.value.errno == errno.ENOSPC
     finally:
         os.close(fd)
@@ -365,7 +369,7 @@ async def test_no_space_at_preallocation_is_a_clean_error(server, tmp_path, dire
         ctypes.set_errno(errno.ENOSPC)
         return -1
 
-    monkeypatch.setattr(download, "_FALLOCATE", fallocate)
+    monkeypatch.setattr(range_writes, "_FALLOCATE", fallocate)
     dest = tmp_path / "dest"
     with pytest.raises(RestoreError) as raised:
         await restore(server.plan(["east", "west"], {"a.bin": blob(3 * RANGE, 6)}), dest, direct)
@@ -417,11 +421,11 @@ async def test_ranges_bypass_the_page_cache_where_the_filesystem_allows(
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(download.os, "open", refusing)
+    monkeypatch.setattr(range_writes.os, "open", refusing)
     await restore(server.plan(["east"], files), tmp_path / "b", direct)
     assert tree(tmp_path / "b") == files
     assert set(modes) == {False}
-    monkeypatch.setattr(download.os, "open", real_open)
+    monkeypatch.setattr(range_writes.os, "open", real_open)
 
     modes.clear()
     unaligned = TransferOptions(range_size=4000, concurrency=3, window=5, retries=1)

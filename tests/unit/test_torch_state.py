@@ -29,11 +29,10 @@ from tierckpt.client.torch import (  # noqa: E402
     STATE_FILE,
     ResumableLoader,
     TorchCheckpointer,
-    _decode,
-    _Encoder,
     load_state,
     save_state,
 )
+from tierckpt.client.torch.codec import Encoder, decode  # noqa: E402
 
 
 class Net(torch.nn.Module):
@@ -200,11 +199,11 @@ def test_encoder_round_trip_of_odd_values(tmp_path: Path) -> None:
         "gen": torch.Generator().manual_seed(3),
         "object": {1, 2},
     }
-    encoder = _Encoder()
+    encoder = Encoder()
     skeleton = json.loads(json.dumps(encoder.encode(value), allow_nan=False))
     assert len(encoder.tensors) == 6  # the repeated view is stored once
     assert set(encoder.objects) == {"object"}
-    back = _decode(skeleton, encoder.tensors, encoder.objects)
+    back = decode(skeleton, encoder.tensors, encoder.objects)
     assert [torch.equal(a, b) for a, b in zip(back["views"], value["views"], strict=True)]
     assert back["views"][1].tolist() == [2.0, 3.0, 4.0, 5.0]
     assert torch.equal(back["strided"], value["strided"])

@@ -1,4 +1,4 @@
-"""Run the real `tierckpt` CLI and `tierckpt serve` as subprocesses (e2e tests, demo)."""
+"""Run the real `tierckpt` CLI and `tierckpt serve` as subprocesses (e2e tests, benchmarks)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Requests pass through untouched until a test asks for trouble:
 Every request is logged (time, method, path, status, whether it was a
 fault), so a test can count attempts and see how they were spaced: retries
 with backoff, not a busy loop. It listens on loopback only and runs its own
-event loop in a thread, like ``tcpproxy.TcpProxy``.
+event loop in a thread (``loopthread.LoopbackServerThread``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import asyncio
 import io
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 
-T = TypeVar("T")
+from .loopthread import LoopbackServerThread
 
 __all__ = ["Fault", "S3FaultProxy", "Seen"]
 
@@ -67,18 +66,13 @@ class Fault:
         return self.remaining is None or self.remaining > 0
 
 
-class S3FaultProxy:
+class S3FaultProxy(LoopbackServerThread):
     def __init__(self, target_url: str, host: str = "127.0.0.1") -> None:
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise ValueError("the fault proxy listens on loopback only")
+        super().__init__(host)
         self.target = target_url.rstrip("/")
-        self.host = host
-        self.port = 0
         self.log: list[Seen] = []
         self._fault: Fault | None = None
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -87,18 +81,6 @@ class S3FaultProxy:
         return f"http://{self.host}:{self.port}"
 
     # -- control (from any thread) -------------------------------------------
-
-    def start(self) -> S3FaultProxy:
-        self._thread.start()
-        self._call(self._start())
-        return self
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._call(self._close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-        self._loop.close()
 
     def fail(
         self,
@@ -136,16 +118,7 @@ class S3FaultProxy:
     def faults(self) -> list[Seen]:
         return [seen for seen in list(self.log) if seen.fault]
 
-    def __enter__(self) -> S3FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- internals (in the proxy's loop) ---------------------------------------
-
-    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(30)
 
     async def _start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -186,9 +159,7 @@ class S3FaultProxy:
         body = await request.read()
         fault = self._take_fault(request)
         if fault is not None and fault.status:
-            self.log.append(
-                Seen(time.monotonic(), request.method, request.path, fault.status, True)
-            )
+            self._record(request, fault.status, fault=True)
             xml = (
                 '<?xml version="1.0" encoding="UTF-8"?>\n'
                 f"<Error><Code>{fault.code}</Code>"
@@ -220,7 +191,5 @@ class S3FaultProxy:
             async for chunk in upstream.content.iter_chunked(1 << 16):
                 await response.write(chunk)
             await response.write_eof()
-        self.log.append(
-            Seen(time.monotonic(), request.method, request.path, upstream.status, False)
-        )
+        self._record(request, upstream.status, fault=False)
         return response

@@ -16,13 +16,14 @@ event loop: each runs its asyncpg work on a private loop in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import asyncpg
 from sqlalchemy.engine import URL, make_url
@@ -38,6 +39,7 @@ __all__ = [
     "postgres_available",
     "require_postgres",
     "reset_database",
+    "temp_database",
 ]
 
 DEFAULT_ADMIN_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
@@ -72,15 +74,21 @@ def asyncpg_dsn(sqlalchemy_url: str) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def _run(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+def _on(sqlalchemy_url: str, work: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+    """Run `work` on one connection to the database, closed afterwards, and
+    wait for its result; callable from sync code and from inside a loop."""
+
+    async def connected() -> T:
+        conn = await asyncpg.connect(asyncpg_dsn(sqlalchemy_url), timeout=CONNECT_TIMEOUT)
+        try:
+            return await work(conn)
+        finally:
+            await conn.close()
+
     # asyncio.run() refuses to nest inside a running loop (async fixtures and
     # tests run inside pytest-asyncio's), so always use a fresh thread.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierckpt-pg") as pool:
-        return pool.submit(lambda: asyncio.run(work())).result()
-
-
-async def _connect(sqlalchemy_url: str) -> asyncpg.Connection:
-    return await asyncpg.connect(asyncpg_dsn(sqlalchemy_url), timeout=CONNECT_TIMEOUT)
+        return pool.submit(lambda: asyncio.run(connected())).result()
 
 
 def _check_name(name: str) -> str:
@@ -98,15 +106,8 @@ def _quote(identifier: str) -> str:
 def _probe(admin_url: str) -> str | None:
     """None when the server answers, else why not (cached: one probe per URL)."""
 
-    async def probe() -> None:
-        conn = await _connect(admin_url)
-        try:
-            await conn.fetchval("SELECT 1")
-        finally:
-            await conn.close()
-
     try:
-        _run(probe)
+        _on(admin_url, lambda conn: conn.fetchval("SELECT 1"))
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return None
@@ -142,15 +143,8 @@ def create_temp_database(admin_url: str | None = None, prefix: str = TEMP_PREFIX
     admin = admin_url or postgres_admin_url()
     name = _check_name(f"{prefix}{uuid.uuid4().hex[:12]}")
 
-    async def create() -> None:
-        conn = await _connect(admin)
-        try:
-            # template0: a clean database even if template1 was customised.
-            await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
-        finally:
-            await conn.close()
-
-    _run(create)
+    # template0: a clean database even if template1 was customised.
+    _on(admin, lambda conn: conn.execute(f'CREATE DATABASE "{name}" TEMPLATE template0'))
     return database_url(name, admin)
 
 
@@ -164,16 +158,19 @@ def drop_database(name_or_url: str, admin_url: str | None = None) -> None:
     if name == make_url(admin).database:
         raise ValueError(f"refusing to drop the admin database {name!r}")
 
-    async def drop() -> None:
-        conn = await _connect(admin)
-        try:
-            # FORCE (PostgreSQL >= 13): a leaked pool in a test must not
-            # block the drop.
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
+    # FORCE (PostgreSQL >= 13): a leaked pool in a test must not block the drop.
+    _on(admin, lambda conn: conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
-    _run(drop)
+
+@contextlib.contextmanager
+def temp_database(admin_url: str | None = None, prefix: str = TEMP_PREFIX) -> Iterator[str]:
+    """A new database (`create_temp_database`) for the `with` block, dropped after it."""
+    admin = admin_url or postgres_admin_url()
+    url = create_temp_database(admin, prefix)
+    try:
+        yield url
+    finally:
+        drop_database(url, admin)
 
 
 def reset_database(url: str) -> None:
@@ -185,23 +182,19 @@ def reset_database(url: str) -> None:
     that make DROP SCHEMA wait forever.
     """
 
-    async def reset() -> None:
-        conn = await _connect(url)
-        try:
-            await conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-            schemas = await conn.fetch(
-                "SELECT nspname FROM pg_namespace "
-                "WHERE nspname NOT LIKE 'pg\\_%' AND nspname <> 'information_schema'"
-            )
-            statements = [f"DROP SCHEMA {_quote(row['nspname'])} CASCADE" for row in schemas]
-            statements.append("CREATE SCHEMA public")
-            async with conn.transaction():
-                for statement in statements:
-                    await conn.execute(statement)
-        finally:
-            await conn.close()
+    async def reset(conn: asyncpg.Connection) -> None:
+        await conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        schemas = await conn.fetch(
+            "SELECT nspname FROM pg_namespace "
+            "WHERE nspname NOT LIKE 'pg\\_%' AND nspname <> 'information_schema'"
+        )
+        statements = [f"DROP SCHEMA {_quote(row['nspname'])} CASCADE" for row in schemas]
+        statements.append("CREATE SCHEMA public")
+        async with conn.transaction():
+            for statement in statements:
+                await conn.execute(statement)
 
-    _run(reset)
+    _on(url, reset)

@@ -9,7 +9,7 @@ connections stay open and new ones are accepted, and every byte is held
 connections through again. It counts what it refused, so a test can tell a
 paused client from a busy loop.
 
-It runs its own event loop in a thread, so sync tests, async tests and the
+It runs its own event loop in a thread (``loopthread``), so sync tests, async tests and the
 code under test (in any loop) can all use it. Loopback only.
 """
 
@@ -17,45 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
 
-T = TypeVar("T")
+from .loopthread import LoopbackServerThread
 
 __all__ = ["TcpProxy"]
 
 
-class TcpProxy:
+class TcpProxy(LoopbackServerThread):
     def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1") -> None:
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise ValueError("the fault proxy listens on loopback only")
+        super().__init__(host)
         self.target = (target_host, target_port)
-        self.host = host
-        self.port = 0
         self.accepted = 0  # connections passed through
         self.refused = 0  # connections closed at once while cut
         self._down = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
         self._flowing = asyncio.Event()
         self._flowing.set()
 
     # -- control (from any thread) -------------------------------------------
-
-    def start(self) -> TcpProxy:
-        self._thread.start()
-        self._call(self._start())
-        return self
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._call(self._close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-        self._loop.close()
 
     def cut(self) -> None:
         """Outage: drop every connection now, refuse new ones until restore()."""
@@ -73,16 +53,7 @@ class TcpProxy:
     def down(self) -> bool:
         return self._down
 
-    def __enter__(self) -> TcpProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- internals (in the proxy's loop) ---------------------------------------
-
-    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(30)
 
     async def _start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, 0)

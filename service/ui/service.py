@@ -1,151 +1,36 @@
-"""Catalog queries behind the dashboard pages (read-only)."""
+"""The dashboard's views: runs and their recovery point, one run's timeline,
+replication lag, failures and lineage, assembled from the catalog (read-only)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime
 
-from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..checkpoints import replicas
 from ..checkpoints import repository as repo
+from ..checkpoints.replicas import LIVE
 from ..checkpoints.state import replication_lag
 from ..config import Settings
-from ..models import (
-    Checkpoint,
-    CheckpointState,
-    Job,
-    JobState,
-    Replica,
-    ReplicaState,
-    Run,
-    utcnow,
+from ..models import Checkpoint, CheckpointState, Job, ReplicaState, Run, utcnow
+from . import repository as queries
+from .repository import ACTIVE_JOBS
+from .views import (
+    CheckpointView,
+    Failure,
+    LineageNode,
+    Overview,
+    RegionHealth,
+    RegionLag,
+    RegionPoint,
+    ReplicaView,
+    RunRow,
+    RunView,
 )
 
-LIVE = (
-    CheckpointState.REGISTERED,
-    CheckpointState.UPLOADING,
-    CheckpointState.DURABLE,
-    CheckpointState.REPLICATED,
-    CheckpointState.CORRUPT,
-)
-ACTIVE_JOBS = (JobState.QUEUED, JobState.RUNNING)
 TIMELINE_LIMIT = 200
 FAILURE_LIMIT = 50
-
-
-@dataclass
-class RegionPoint:
-    step: int
-    created_at: datetime
-
-
-@dataclass
-class RunRow:
-    name: str
-    checkpoints: int
-    latest_step: int | None
-    last_registered: datetime | None
-    regions: dict[str, RegionPoint] = field(default_factory=dict)
-    pending: int = 0
-    problems: int = 0
-
-    @property
-    def latest_valid(self) -> RegionPoint | None:
-        """Where the run restarts from: the newest valid checkpoint in any region."""
-        if not self.regions:
-            return None
-        return max(self.regions.values(), key=lambda p: (p.step, p.created_at))
-
-
-@dataclass
-class RegionHealth:
-    name: str
-    primary: bool
-    pending: int = 0
-    pending_bytes: int = 0
-    oldest_wait: float = 0.0
-    corrupt: int = 0
-
-
-@dataclass
-class Overview:
-    now: datetime
-    runs: list[RunRow]
-    regions: list[RegionHealth]
-    jobs: dict[tuple[str, str], int]  # (kind, state) -> count of active jobs
-    retrying: int
-
-
-@dataclass
-class ReplicaView:
-    region: str
-    state: str
-    lag: float | None
-    error: str | None
-    retrying: str | None = None  # the last error of a replicate job still retrying
-    attempts: int = 0
-
-
-@dataclass
-class CheckpointView:
-    step: int
-    state: str
-    created_at: datetime
-    durable_at: datetime | None
-    total_bytes: int
-    file_count: int
-    error: str | None
-    parent: tuple[str, int] | None
-    pinned: bool
-    quarantined: bool
-    replicas: dict[str, ReplicaView] = field(default_factory=dict)
-
-
-@dataclass
-class Failure:
-    when: datetime
-    step: int
-    what: str  # "checkpoint", "replica", or the job kind
-    region: str | None
-    state: str
-    attempts: int | None
-    reason: str
-
-
-@dataclass
-class LineageNode:
-    run: str
-    step: int
-    state: str | None
-    created_at: datetime | None
-
-
-@dataclass
-class RegionLag:
-    name: str
-    primary: bool
-    committed: int
-    pending: int
-    oldest_wait: float | None
-    last_lag: float | None
-    median_lag: float | None
-
-
-@dataclass
-class RunView:
-    now: datetime
-    name: str
-    regions: list[str]
-    total: int
-    row: RunRow
-    checkpoints: list[CheckpointView]  # newest step first
-    failures: list[Failure]
-    lags: list[RegionLag]
-    lineage_nodes: list[LineageNode]
-    lineage_edges: list[tuple[tuple[str, int], tuple[str, int]]]
 
 
 async def _run_rows(
@@ -157,14 +42,7 @@ async def _run_rows(
     ids = [run.id for run in runs]
     by_id = {run.id: run for run in runs}
     rows: dict[int, RunRow] = {}
-    newest = {
-        run_id: when
-        for run_id, when in await session.execute(
-            select(Checkpoint.run_id, func.max(Checkpoint.created_at))
-            .where(Checkpoint.run_id.in_(ids))
-            .group_by(Checkpoint.run_id)
-        )
-    }
+    newest = await queries.newest_registration(session, ids)
     for run in runs:
         count, top = counts.get(run.id, (0, None))
         rows[run.id] = RunRow(run.name, count, top, newest.get(run.id))
@@ -173,36 +51,11 @@ async def _run_rows(
         session, settings.durability.min_regions, ids
     ):
         rows[name_to_id[name]].regions[region] = RegionPoint(checkpoint.step, checkpoint.created_at)
-    for run_id, pending in await session.execute(
-        select(Checkpoint.run_id, func.count())
-        .join(Replica, Replica.checkpoint_id == Checkpoint.id)
-        .where(
-            Checkpoint.run_id.in_(ids),
-            Checkpoint.state.in_(LIVE),
-            Replica.state == ReplicaState.PENDING,
-        )
-        .group_by(Checkpoint.run_id)
-    ):
+    for run_id, pending in await queries.pending_replicas(session, ids):
         rows[run_id].pending = pending
-    for run_id, problems in await session.execute(
-        select(Checkpoint.run_id, func.count())
-        .where(
-            Checkpoint.run_id.in_(ids),
-            Checkpoint.state.in_((CheckpointState.FAILED, CheckpointState.CORRUPT)),
-        )
-        .group_by(Checkpoint.run_id)
-    ):
+    for run_id, problems in await queries.failed_checkpoints(session, ids):
         rows[run_id].problems += problems
-    for run_id, retrying in await session.execute(
-        select(Checkpoint.run_id, func.count())
-        .join(Job, Job.checkpoint_id == Checkpoint.id)
-        .where(
-            Checkpoint.run_id.in_(ids),
-            Job.state.in_(ACTIVE_JOBS),
-            Job.last_error.is_not(None),
-        )
-        .group_by(Checkpoint.run_id)
-    ):
+    for run_id, retrying in await queries.retrying_jobs(session, ids):
         rows[run_id].problems += retrying
     return [rows[run.id] for run in runs]
 
@@ -220,18 +73,7 @@ async def overview(
 
     names = [region.name for region in settings.regions]
     health = {name: RegionHealth(name, i == 0) for i, name in enumerate(names)}
-    for region, state, count, nbytes, first in await session.execute(
-        select(
-            Replica.region,
-            Replica.state,
-            func.count(),
-            func.sum(Checkpoint.total_bytes),
-            func.min(Checkpoint.durable_at),
-        )
-        .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
-        .where(Checkpoint.state.in_(LIVE))
-        .group_by(Replica.region, Replica.state)
-    ):
+    for region, state, count, nbytes, first in await replicas.totals(session):
         entry = health.setdefault(region, RegionHealth(region, False))
         if state == ReplicaState.PENDING:
             entry.pending, entry.pending_bytes = count, int(nbytes or 0)
@@ -241,16 +83,7 @@ async def overview(
             entry.corrupt = count
     jobs: dict[tuple[str, str], int] = {}
     retrying = 0
-    for kind, state, count, failing in await session.execute(
-        select(
-            Job.kind,
-            Job.state,
-            func.count(),
-            func.count(Job.last_error),
-        )
-        .where(Job.state.in_(ACTIVE_JOBS))
-        .group_by(Job.kind, Job.state)
-    ):
+    for kind, state, count, failing in await queries.active_job_counts(session):
         jobs[(kind, state)] = count
         retrying += failing
     return Overview(now, rows, list(health.values()), jobs, retrying)
@@ -288,25 +121,13 @@ async def run_view(session: AsyncSession, settings: Settings, run: Run) -> RunVi
     retrying: dict[tuple[int, str], Job] = {}
     failures: list[Failure] = []
     step_of = {c.id: c.step for c in page}
-    job_rows = await session.scalars(
-        select(Job)
-        .join(Checkpoint, Checkpoint.id == Job.checkpoint_id)
-        .where(
-            Checkpoint.run_id == run.id,
-            Job.last_error.is_not(None),
-            or_(Job.state.in_(ACTIVE_JOBS), Job.state == JobState.FAILED),
-        )
-        .order_by(Job.updated_at.desc())
-        .limit(FAILURE_LIMIT)
-    )
+    job_rows = await queries.failing_jobs(session, run.id, FAILURE_LIMIT)
     for job in job_rows:
         if job.region is not None and job.state in ACTIVE_JOBS:
             retrying.setdefault((job.checkpoint_id, job.region), job)
         step = step_of.get(job.checkpoint_id)
         if step is None:
-            step = await session.scalar(
-                select(Checkpoint.step).where(Checkpoint.id == job.checkpoint_id)
-            )
+            step = await queries.step_of(session, job.checkpoint_id)
         state = "retrying" if job.state in ACTIVE_JOBS else job.state
         failures.append(
             Failure(
@@ -425,19 +246,14 @@ async def _lineage(
             edges.append((parent, (run.name, c.step)))
     steps = [c.step for c in shown]
     if steps:
-        forks = await session.execute(
-            select(Run.name, Checkpoint)
-            .join(Run, Run.id == Checkpoint.run_id)
-            .where(
-                Checkpoint.parent_run == run.name,
-                Checkpoint.parent_step.in_(steps),
-                Checkpoint.run_id != run.id,
-            )
-            .order_by(Checkpoint.created_at)
-            .limit(LINEAGE_LIMIT)
-        )
-        for name, child in forks:
+        for name, child in await queries.forks(session, run, steps, LINEAGE_LIMIT):
             key = (name, child.step)
             nodes[key] = LineageNode(name, child.step, child.state, child.created_at)
             edges.append(((run.name, child.parent_step or 0), key))
     return list(nodes.values()), edges
+
+
+async def run_view_named(session: AsyncSession, settings: Settings, name: str) -> RunView | None:
+    """The run's page, or None: the run has no checkpoints."""
+    run = await repo.find_run(session, name)
+    return None if run is None else await run_view(session, settings, run)

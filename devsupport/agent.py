@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from tierckpt.service.agent import AgentProcess
 from tierckpt.service.app import create_app
 from tierckpt.service.config import Settings
 from tierckpt.service.migrate import upgrade
@@ -30,6 +31,7 @@ class Agent:
     resources: Resources
     ssd: Path
     settings: Settings
+    process: AgentProcess  # worker, registration writer, periodic passes
 
     async def register(self, run: str, step: int, path: Path, **extra: Any) -> httpx.Response:
         return await self.http.post(
@@ -129,7 +131,13 @@ async def running_agent(
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://agent") as http:
-            yield Agent(http=http, resources=app.state.resources, ssd=ssd, settings=settings)
+            yield Agent(
+                http=http,
+                resources=app.state.resources,
+                ssd=ssd,
+                settings=settings,
+                process=app.state.agent,
+            )
 
 
 def write_checkpoint(directory: Path, files: dict[str, bytes | int]) -> Path:

