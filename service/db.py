@@ -223,21 +223,35 @@ async def transaction(
 def reading(
     sessionmaker: async_sessionmaker[AsyncSession],
 ) -> async_sessionmaker[AsyncSession]:
-    """Sessions on the same catalog for work that only reads: on SQLite they
-    read a snapshot without taking the write lock (``_on_begin``), which a
-    plain session would take at its first statement and hold until it ends,
-    stalling every writer (the registrations first) meanwhile. PostgreSQL
-    reads take no lock: the same sessionmaker."""
+    """Sessions on the same catalog for work that only reads, each reading
+    one snapshot, so that what it reads in several statements agrees (a
+    finished job and the replica it wrote, never one without the other).
+
+    SQLite: a deferred transaction, which in WAL mode reads one snapshot
+    without taking the write lock (``_on_begin``); a plain session would take
+    it at its first statement and hold it until it ends, stalling every
+    writer (the registrations first) meanwhile. PostgreSQL: a READ ONLY
+    transaction at REPEATABLE READ, whose snapshot is taken at its first
+    statement (at READ COMMITTED, or in the read engine's autocommit, each
+    statement reads its own). It takes no lock, and a read-only transaction
+    never fails to serialize."""
     bind = sessionmaker.kw.get("bind")
-    if not isinstance(bind, AsyncEngine) or bind.dialect.name != "sqlite":
+    if not isinstance(bind, AsyncEngine):
         return sessionmaker
-    if bind.sync_engine.get_execution_options().get(READ_ONLY):
+    options = bind.sync_engine.get_execution_options()
+    if options.get(READ_ONLY) or options.get("postgresql_readonly"):
         return sessionmaker
     readers = _READERS.get(sessionmaker)
     if readers is None:
-        readers = _READERS[sessionmaker] = async_sessionmaker(
-            bind.execution_options(**{READ_ONLY: True}), expire_on_commit=False
-        )
+        if bind.dialect.name == "sqlite":
+            snapshot = bind.execution_options(**{READ_ONLY: True})
+        elif bind.dialect.name == "postgresql":
+            snapshot = bind.execution_options(
+                isolation_level="REPEATABLE READ", postgresql_readonly=True
+            )
+        else:
+            return sessionmaker
+        readers = _READERS[sessionmaker] = async_sessionmaker(snapshot, expire_on_commit=False)
     return readers
 
 

@@ -13,6 +13,7 @@ from .agent import AgentProcess
 from .auth import Principal, authenticate
 from .checkpoints.batching import RegistrationBatcher
 from .checkpoints.service import CheckpointService
+from .db import reading
 from .errors import ApiError
 from .names import RUN_NAME, RUN_NAME_RULE
 from .resources import Resources
@@ -48,10 +49,10 @@ RegistrationsDep = Annotated[RegistrationBatcher, Depends(get_registrations)]
 
 async def get_session(request: Request, resources: ResourcesDep) -> AsyncIterator[AsyncSession]:
     """One transaction per request: committed on success, rolled back on error.
-    A GET only reads: its session takes no write lock (see db._on_begin)."""
+    A GET only reads: one snapshot, no write lock taken (see db.reading)."""
     maker = resources.sessionmaker
-    if request.method in ("GET", "HEAD") and resources.read_sessionmaker is not None:
-        maker = resources.read_sessionmaker
+    if request.method in ("GET", "HEAD"):
+        maker = reading(resources.read_sessionmaker or resources.sessionmaker)
     async with maker() as session:
         try:
             yield session

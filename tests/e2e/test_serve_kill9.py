@@ -165,7 +165,7 @@ def test_kill9_mid_upload_loses_nothing(
         # found (exit 4) and repaired from the local T0 copy.
         intact = cli("--json", "verify", "gpt", "100", "--timeout", "120", server=again.url)
         assert intact.returncode == 0, intact.stderr
-        assert json.loads(intact.stdout)["replicas"][0]["verified_at"]
+        assert json.loads(intact.stdout)["replicas"][0]["verified_at"], intact.stdout
         bad_key = "e2e/gpt/step-000000000100/rank-00000/empty.txt"
         overwrite_object(s3_client, s3_bucket, bad_key, b"not empty")
         found = cli("--json", "verify", "gpt", "100", "--timeout", "120", server=again.url)
