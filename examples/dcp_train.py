@@ -4,10 +4,13 @@ Every rank trains a `DistributedDataParallel` MLP on its share of a synthetic
 dataset. Every `--every` steps all ranks save with DCP (`FileSystemWriter`):
 rank R writes its part into `<root>/<run>/step-<N>/rank-R/` (rank 0 also the
 global `.metadata`) and registers it as rank R of world size 2
-(`tierckpt.client.torch.save_distributed`). The checkpoint is valid once every
-rank's part is durable. On start the ranks ask for the latest valid checkpoint
-(`latest_distributed`, `restore_distributed`): each downloads all ranks' files into one directory —
-`.metadata`, `__0_0.distcp`, `__1_0.distcp`, what DCP reads — and loads it.
+(`tierckpt.client.torch.save_distributed`; with `--async-save`,
+`save_distributed_async`: DCP's `async_save` stages the state into memory,
+training goes on, and each rank registers once its files are written). The
+checkpoint is valid once every rank's part is durable. On start the ranks ask
+for the latest valid checkpoint (`latest_distributed`, `restore_distributed`):
+each downloads all ranks' files into one directory — `.metadata`,
+`__0_0.distcp`, `__1_0.distcp`, what DCP reads — and loads it.
 
 Batches are a pure function of (seed, step, rank), so the step is the whole
 data position: a resumed run ends with the same weights as an uninterrupted one.
@@ -37,7 +40,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel
 
 from tierckpt.client import CheckpointClient
-from tierckpt.client.torch import latest_distributed, restore_distributed, save_distributed
+from tierckpt.client.torch import (
+    PendingSave,
+    latest_distributed,
+    restore_distributed,
+    save_distributed,
+    save_distributed_async,
+)
 
 DATA_SEED = 20240611
 FEATURES, CLASSES, SAMPLES = 32, 4, 1024
@@ -94,6 +103,10 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
             model_state, optim_state = get_state_dict(model, optimizer)
             return {"model": model_state, "optim": optim_state, "step": step}
 
+        # Asynchronous saves write (and run DCP's collectives) in a background
+        # thread: on a process group of their own, never DDP's.
+        saves_group = dist.new_group(backend="gloo") if args.async_save else None
+        pending: PendingSave | None = None
         step = 0
         if client is not None:
             latest = latest_distributed(client, args.run)
@@ -122,7 +135,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
             optimizer.step()
             step += 1
             if client is not None and step % args.every == 0:
-                registered = save_distributed(
+                save = save_distributed_async if args.async_save else save_distributed
+                registered = save(
                     client,
                     args.run,
                     step,
@@ -130,14 +144,21 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
                     args.root,
                     metrics={"loss": float(loss.item())},
                     parent=step - args.every if step > args.every else None,
+                    process_group=saves_group,
                 )
-                emit(
-                    rank,
-                    "checkpoint",
-                    step=step,
-                    loss=float(loss.item()),
-                    state=registered.state if registered else "registered before",
-                )
+                if isinstance(registered, PendingSave):
+                    pending = registered
+                    emit(rank, "checkpoint", step=step, loss=float(loss.item()), state="staged")
+                else:
+                    emit(
+                        rank,
+                        "checkpoint",
+                        step=step,
+                        loss=float(loss.item()),
+                        state=registered.state if registered else "registered before",
+                    )
+        if pending is not None:
+            pending.result()  # the last write registered before the job ends
         weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
         if rank == 0 and args.final_out:
             save_file(weights, str(args.final_out))
@@ -178,6 +199,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--final-out", type=Path, help="rank 0 writes the final weights here")
     parser.add_argument("--no-register", action="store_true", help="reference run, no agent")
+    parser.add_argument(
+        "--async-save",
+        action="store_true",
+        help="save with DCP async_save: training goes on while the files are written",
+    )
     args = parser.parse_args(argv)
     args.root = args.root.resolve()
     if args.every < 1 or args.steps < 0 or args.nproc < 1:

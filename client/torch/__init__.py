@@ -31,7 +31,9 @@ step to continue from. :func:`save_distributed` / :func:`restore_distributed`
 do the same for ``torch.distributed.checkpoint`` (DCP): every rank writes its
 part into its own directory and registers it as its rank; a restore brings
 all ranks' files back into one directory, where DCP finds ``.metadata`` and
-every ``__R_0.distcp``.
+every ``__R_0.distcp``; :func:`save_distributed_async` stalls only for
+DCP's staging copy (``async_save``) and registers each rank's part once
+written.
 
 Restoring trusts the checkpoint as much as ``torch.load(weights_only=False)``
 would, but only for ``objects.pt`` (absent unless the state held arbitrary
@@ -54,7 +56,13 @@ from .checkpoint_dir import (
     write_state,
 )
 from .checkpointer import Restored, TorchCheckpointer, default_node
-from .dcp import latest_distributed, restore_distributed, save_distributed
+from .dcp import (
+    PendingSave,
+    latest_distributed,
+    restore_distributed,
+    save_distributed,
+    save_distributed_async,
+)
 from .loader import ResumableLoader
 from .rng import capture_rng, restore_rng
 
@@ -66,6 +74,7 @@ __all__ = [
     "STAGING_PREFIX",
     "STATE_FILE",
     "TENSORS_FILE",
+    "PendingSave",
     "Restored",
     "ResumableLoader",
     "Stateful",
@@ -78,6 +87,7 @@ __all__ = [
     "restore_distributed",
     "restore_rng",
     "save_distributed",
+    "save_distributed_async",
     "save_state",
     "write_state",
 ]

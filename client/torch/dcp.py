@@ -2,8 +2,9 @@
 
 Every rank writes its part into its own directory and registers it as its
 rank; a restore brings all ranks' files back into one directory, where DCP
-finds ``.metadata`` and every ``__R_0.distcp``. All three calls are
-collective.
+finds ``.metadata`` and every ``__R_0.distcp``. Every call is collective;
+:func:`save_distributed_async` returns once the state is staged in memory and
+registers each rank's part when DCP has written it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +53,207 @@ def save_distributed(
     """Collective: every rank writes its part of ``state_dict`` with DCP's
     ``FileSystemWriter`` into ``root/run/step-N/rank-R`` and registers it as
     rank R of the world. Returns this rank's registration, or None when the
-    step was registered before (a replayed step: left as it is)."""
-    import torch.distributed as dist
+    step was registered before (a replayed step: left as it is).
+    :func:`save_distributed_async` returns once the state is staged."""
+    began = time.monotonic()
+    target = _prepare(client, run, step, root, process_group)
+    if target is None:
+        return None
     import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.save(
+            state_dict,
+            storage_writer=dcp.FileSystemWriter(str(target.write_to)),
+            process_group=process_group,
+        )
+    finally:
+        target.clean()
+    return target.register(client, time.monotonic() - began, metrics, metadata, parent, priority)
+
+
+def save_distributed_async(
+    client: CheckpointClient,
+    run: str,
+    step: int,
+    state_dict: dict[str, Any],
+    root: str | os.PathLike[str],
+    *,
+    metrics: Mapping[str, float] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    parent: int | None = None,
+    priority: str = "normal",
+    process_group: Any = None,
+) -> PendingSave:
+    """Collective, as :func:`save_distributed`, on DCP's ``async_save``: returns
+    once ``state_dict`` is staged (copied into host memory), so training goes
+    on while DCP writes the files; each rank registers its part as soon as its
+    write completes (``write_seconds`` = the stall, not the write). Returns a
+    :class:`PendingSave`; ``.result()`` waits for the write and the registration.
+
+    The write runs collectives in a background thread: pass a process group
+    of its own (``dist.new_group(backend="gloo")``), as DCP advises, so they
+    never interleave with training's. A save on a group waits first for the
+    previous one on that group (one write in flight per group, DCP's rule);
+    that wait, if any, is part of the stall.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    began = time.monotonic()
+    _wait_previous(process_group)
+    target = _prepare(client, run, step, root, process_group)
+    pending = PendingSave(run, step)
+    if target is None:
+        pending.settle(None, None, time.monotonic() - began)
+        return pending
+    try:
+        future = dcp.async_save(
+            state_dict,
+            storage_writer=dcp.FileSystemWriter(str(target.write_to)),
+            process_group=process_group,
+        )
+    except BaseException:
+        target.clean()
+        raise
+    stall = time.monotonic() - began
+    if not isinstance(future, Future):  # AsyncSaveResponse (a stager that returns one)
+        future = future.upload_completion
+    _IN_FLIGHT[_group_key(process_group)] = pending
+
+    def written(done: Future[Any]) -> None:
+        # DCP's writer thread: register from here, so a trainer that never
+        # calls result() still gets its checkpoint registered.
+        target.clean()
+        error = done.exception()
+        if error is not None:
+            log.error("%s step %d rank %d: DCP write failed: %s", run, step, target.rank, error)
+            pending.settle(None, error, stall)
+            return
+        try:
+            checkpoint = target.register(client, stall, metrics, metadata, parent, priority)
+        except BaseException as exc:  # settle() must run: result() waits on it
+            pending.settle(None, exc, stall)
+            return
+        pending.settle(checkpoint, None, stall)
+
+    future.add_done_callback(written)
+    return pending
+
+
+class PendingSave:
+    """An asynchronous DCP save of one rank: staged, being written, then registered."""
+
+    def __init__(self, run: str, step: int) -> None:
+        self.run, self.step = run, step
+        self.stall_seconds: float | None = None
+        self._done = threading.Event()
+        self._checkpoint: Checkpoint | None = None
+        self._error: BaseException | None = None
+
+    def settle(
+        self, checkpoint: Checkpoint | None, error: BaseException | None, stall: float
+    ) -> None:
+        self._checkpoint, self._error, self.stall_seconds = checkpoint, error, stall
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Checkpoint | None:
+        """This rank's registration once the files are written and registered
+        (None: the step was registered before, or registering failed and was
+        logged); raises the write's error; TimeoutError after ``timeout`` s."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.run} step {self.step} still being written")
+        if self._error is not None and not isinstance(self._error, TierckptError):
+            raise self._error
+        return self._checkpoint
+
+
+# One asynchronous write in flight per process group (the key: its object id,
+# None for the default group).
+_IN_FLIGHT: dict[int | None, PendingSave] = {}
+
+
+def _group_key(process_group: Any) -> int | None:
+    return None if process_group is None else id(process_group)
+
+
+def _wait_previous(process_group: Any) -> None:
+    previous = _IN_FLIGHT.pop(_group_key(process_group), None)
+    if previous is not None and not previous.done():
+        log.info("%s step %d still being written; waiting for it", previous.run, previous.step)
+        previous._done.wait()
+
+
+@dataclass
+class _Target:
+    """Where this rank writes a step, and whether it registers what it wrote."""
+
+    run: str
+    step: int
+    rank: int
+    world: int
+    directory: Path
+    scratch: Path | None  # set: this rank's part is registered already
+
+    @property
+    def write_to(self) -> Path:
+        return self.scratch or self.directory
+
+    def clean(self) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def register(
+        self,
+        client: CheckpointClient,
+        stall: float,
+        metrics: Mapping[str, float] | None,
+        metadata: Mapping[str, Any] | None,
+        parent: int | None,
+        priority: str,
+    ) -> Checkpoint | None:
+        if self.scratch is not None:
+            return None
+        try:
+            return client.register(
+                self.run,
+                self.step,
+                self.directory,
+                rank=self.rank,
+                world_size=self.world,
+                metrics=metrics,
+                metadata=metadata,
+                parent=parent,
+                priority=priority,
+                write_seconds=stall,
+            )
+        except TierckptError as exc:
+            log.warning(
+                "%s step %d rank %d not registered: %s", self.run, self.step, self.rank, exc
+            )
+            return None
+
+
+def _prepare(
+    client: CheckpointClient,
+    run: str,
+    step: int,
+    root: str | os.PathLike[str],
+    process_group: Any,
+) -> _Target | None:
+    """Collective: where this rank writes ``step``; None when every rank's
+    part is registered already (nothing to save)."""
+    import torch.distributed as dist
 
     rank = dist.get_rank(process_group)
     world = dist.get_world_size(process_group)
     directory = Path(os.path.abspath(root)) / run / f"step-{step}" / f"rank-{rank:05d}"
     # A replayed step (resumed from an older checkpoint) may be registered
-    # already, wholly or for some ranks. dcp.save is collective, so every rank
-    # writes; a rank whose part is registered writes to a throwaway directory
-    # and leaves its registered files alone.
+    # already, wholly or for some ranks. DCP's save is collective, so every
+    # rank writes; a rank whose part is registered writes to a throwaway
+    # directory and leaves its registered files alone.
     known: tuple[str | None, list[int]] = (None, [])
     if rank == 0:
         try:
@@ -72,44 +266,15 @@ def save_distributed(
     if usable and len(set(registered_ranks)) == world:
         log.info("%s step %d is registered already (%s); not saved again", run, step, state)
         return None
-    mine = usable and rank in registered_ranks
-    began = time.monotonic()
     scratch = None
-    if mine:
+    if usable and rank in registered_ranks:
         directory.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(
             tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}rank-{rank:05d}-", dir=directory.parent)
         )
     elif directory.exists():
         shutil.rmtree(directory)  # an unregistered leftover of an earlier life
-    try:
-        dcp.save(
-            state_dict,
-            storage_writer=dcp.FileSystemWriter(str(scratch or directory)),
-            process_group=process_group,
-        )
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-    if mine:
-        return None
-    written = time.monotonic() - began
-    try:
-        return client.register(
-            run,
-            step,
-            directory,
-            rank=rank,
-            world_size=world,
-            metrics=metrics,
-            metadata=metadata,
-            parent=parent,
-            priority=priority,
-            write_seconds=written,
-        )
-    except TierckptError as exc:
-        log.warning("%s step %d rank %d not registered: %s", run, step, rank, exc)
-        return None
+    return _Target(run, step, rank, world, directory, scratch)
 
 
 def latest_distributed(

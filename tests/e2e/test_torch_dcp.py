@@ -119,3 +119,52 @@ def test_two_rank_dcp_checkpoint_registers_restores_and_resumes(
         assert torch.equal(ours[name], tensor), name
     settled = {c["step"]: c["state"] for c in settle(agent.url, RUN)}
     assert settled[16] == "durable"
+
+
+def test_asynchronous_dcp_saves_register_once_written_and_resume_exactly(
+    start_agent: AgentFactory,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """``save_distributed_async`` (DCP ``async_save`` on a process group of its
+    own): training goes on while the files are written; each rank registers
+    its part once written, so every step becomes durable, with both ranks'
+    files, and a resumed job (saving asynchronously too) ends bit-identical to
+    an uninterrupted run."""
+    agent, ssd = start_agent()
+    job = ("--server", agent.url, "--root", str(ssd), "--async-save")
+
+    events = launch(*job, "--steps", "12", log=tmp_path / "a.log")
+    assert [(e["step"], e["state"]) for e in events if e["event"] == "checkpoint"] == [
+        (4, "staged"),
+        (8, "staged"),
+        (12, "staged"),
+    ]
+    found = {c["step"]: c for c in settle(agent.url, RUN)}
+    assert {s: c["state"] for s, c in found.items()} == {4: "durable", 8: "durable", 12: "durable"}
+    detail = httpx.get(f"{agent.url}/v1/runs/{RUN}/checkpoints/12", timeout=10).json()
+    assert sorted((f["rank"], f["path"]) for f in detail["files"]) == [
+        (0, ".metadata"),
+        (0, "__0_0.distcp"),
+        (1, "__1_0.distcp"),
+    ]
+    assert detail["parent"] == {"run": RUN, "step": 8}
+    # write_seconds is the stall (the staging), reported by both ranks.
+    assert detail["write_seconds"] is not None
+
+    events = launch(
+        *job, "--steps", "16", "--final-out", str(tmp_path / "w16.st"), log=tmp_path / "b.log"
+    )
+    assert events[0] == {"event": "resumed", "step": 12}
+    reference = launch(
+        "--root",
+        str(tmp_path / "unused"),
+        "--steps",
+        "16",
+        "--no-register",
+        "--final-out",
+        str(tmp_path / "ref16.st"),
+        log=tmp_path / "ref.log",
+    )
+    assert events[-1]["sha256"] == reference[-1]["sha256"]
+    settled = {c["step"]: c["state"] for c in settle(agent.url, RUN)}
+    assert settled[16] == "durable"
