@@ -42,6 +42,7 @@ from .jobs.worker import JobHandler, Worker
 from .periodic import Periodic
 from .replication.jobs import ReplicationJobs
 from .resources import Resources
+from .retention.at_durable import RetainJobs
 from .retention.jobs import DeleteJobs
 from .retention.sweeper import sweep
 from .uploads.jobs import UploadJobs
@@ -70,6 +71,7 @@ def job_handlers(resources: Resources) -> dict[str, JobHandler]:
         **ReplicationJobs(resources).handlers(),
         **VerifyJobs(resources).handlers(),
         **DeleteJobs(resources).handlers(),
+        **RetainJobs(resources).handlers(),
     }
     if handlers.keys() != KINDS.keys():
         raise RuntimeError(

@@ -15,6 +15,7 @@ from typing import Protocol
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ..jobs import kinds
 from ..models import Checkpoint, CheckpointState, Replica, ReplicaState, utcnow
 from . import replicas
 
@@ -31,9 +32,11 @@ async def lock_checkpoint(session: AsyncSession, checkpoint_id: int) -> Checkpoi
 
 async def refresh_state(
     session: AsyncSession, checkpoint: Checkpoint, min_regions: int, region_count: int
-) -> None:
+) -> bool:
+    """True when this made the checkpoint valid for the first time."""
     if checkpoint.state in FINAL:
-        return
+        return False
+    first_valid = False
     committed = (
         await session.scalar(
             select(func.count())
@@ -45,6 +48,7 @@ async def refresh_state(
     if committed >= min_regions:
         if checkpoint.durable_at is None:
             checkpoint.durable_at = utcnow()
+            first_valid = True
         checkpoint.state = (
             CheckpointState.REPLICATED
             if region_count > 1 and committed >= region_count
@@ -59,6 +63,7 @@ async def refresh_state(
             f"no intact copy in enough regions ({committed} of {min_regions} needed); "
             "repair scheduled where a good source exists"
         )
+    return first_valid
 
 
 async def commit_replica(
@@ -74,11 +79,14 @@ async def commit_replica(
     """The region's manifest is written: its replica is committed, and the
     checkpoint's state follows. ``verified``: every byte was hashed on the way
     (True), the copy was not (False: any earlier verification no longer
-    holds), or nothing is said (None). The checkpoint row must be locked."""
+    holds), or nothing is said (None). The checkpoint row must be locked.
+    A checkpoint that becomes durable here has its run's retention applied
+    now (a retain job), not at the next periodic sweep."""
     await replicas.mark_committed(
         session, checkpoint.id, region, manifest_sha256, verified=verified, now=utcnow()
     )
-    await refresh_state(session, checkpoint, min_regions, region_count)
+    if await refresh_state(session, checkpoint, min_regions, region_count):
+        await kinds.enqueue_retention(session, checkpoint)
 
 
 class _Durable(Protocol):

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints import replicas
 from ..config import WorkerSettings
-from ..models import Checkpoint, CheckpointState, JobKind, priority_of
+from ..models import Checkpoint, CheckpointState, JobKind, Shard, priority_of
 from . import queue
 
 # Effectively forever: with backoff capped at [worker].backoff_max, a region
@@ -135,6 +136,9 @@ KINDS: dict[str, Kind] = {
         Kind(JobKind.VERIFY, NoPayload, RetryPolicy(1000)),
         # Region outages only delay a deletion.
         Kind(JobKind.DELETE, DeletePayload, RetryPolicy(1_000_000)),
+        # Bound to a node (it evicts that node's T0 copies); only ever early:
+        # the periodic sweep does the same work later if this one gives up.
+        Kind(JobKind.RETAIN, NoPayload, RetryPolicy(10)),
     )
 }
 
@@ -279,6 +283,28 @@ async def enqueue_delete(
         payload=DeletePayload(reason, force).to_json(),
         max_attempts=KINDS[JobKind.DELETE].retry.attempts(),
     )
+
+
+async def enqueue_retention(session: AsyncSession, checkpoint: Checkpoint) -> None:
+    """Apply the run's retention now that ``checkpoint`` is durable, rather
+    than at the next periodic sweep: one job per node holding a shard of it,
+    since each node evicts its own T0 copies (the regions' deletions are
+    queued by whichever runs first; the others find them queued)."""
+    nodes = await session.execute(
+        select(Shard.node, func.min(Shard.id))
+        .where(Shard.checkpoint_id == checkpoint.id)
+        .group_by(Shard.node)
+    )
+    for node, shard_id in nodes:
+        await queue.enqueue(
+            session,
+            JobKind.RETAIN,
+            checkpoint.id,
+            # One job per node: the dedupe key holds the shard, not the node.
+            shard_id=shard_id,
+            node=node,
+            max_attempts=KINDS[JobKind.RETAIN].retry.attempts(),
+        )
 
 
 # -- moves between kinds that enqueue -------------------------------------------

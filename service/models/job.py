@@ -21,6 +21,7 @@ class JobKind(enum.StrEnum):
     REPLICATE = "replicate"  # copy a committed checkpoint into another region (or repair one)
     VERIFY = "verify"  # re-read a region's objects and re-hash them
     DELETE = "delete"  # remove a checkpoint from every region (manifest first)
+    RETAIN = "retain"  # apply a run's retention once a checkpoint of it is durable; per node
 
 
 class JobState(enum.StrEnum):

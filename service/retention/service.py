@@ -154,21 +154,23 @@ def _evict_files(
     return removed
 
 
-async def evict_local_copies(resources: Resources) -> int:
+async def evict_local_copies(resources: Resources, run_id: int | None = None) -> int:
     """T0: on this node, remove local copies that are durable elsewhere (or
-    deleted) beyond ``[local].keep_last`` newest per run."""
+    deleted) beyond ``[local].keep_last`` newest per run (every run, or
+    ``run_id``'s)."""
     settings = resources.settings
     keep = settings.local.keep_last
     node = settings.server.node
+    query = (
+        select(Shard, Checkpoint.run_id, Checkpoint.step, Checkpoint.state)
+        .join(Checkpoint, Checkpoint.id == Shard.checkpoint_id)
+        .where(Shard.node == node, Shard.evicted_at.is_(None))
+        .order_by(Checkpoint.run_id, Checkpoint.step.desc())
+    )
+    if run_id is not None:
+        query = query.where(Checkpoint.run_id == run_id)
     async with reading(resources.sessionmaker)() as session:
-        rows = (
-            await session.execute(
-                select(Shard, Checkpoint.run_id, Checkpoint.step, Checkpoint.state)
-                .join(Checkpoint, Checkpoint.id == Shard.checkpoint_id)
-                .where(Shard.node == node, Shard.evicted_at.is_(None))
-                .order_by(Checkpoint.run_id, Checkpoint.step.desc())
-            )
-        ).all()
+        rows = (await session.execute(query)).all()
         per_run: dict[int, int] = {}
         victims: list[tuple[Shard, list[str]]] = []
         for shard, run_id, _step, state in rows:
@@ -203,17 +205,26 @@ async def evict_local_copies(resources: Resources) -> int:
 
 async def apply_all(resources: Resources) -> dict[str, int]:
     """One retention pass over every run (the sweeper's tick)."""
+    async with transaction(resources.sessionmaker) as session:
+        expired = await expire_incomplete(session, resources)
+    deleted = await queue_deletions(resources)
+    evicted = await evict_local_copies(resources)
+    return {"expired": expired, "delete_queued": deleted, "evicted": evicted}
+
+
+async def queue_deletions(resources: Resources, run_id: int | None = None) -> int:
+    """Queue the deletions retention asks for, in every run or in ``run_id``'s;
+    how many were queued (a deletion queued already is not counted)."""
     # Planning reads every run's history: it runs on a read snapshot, with
     # no write lock held (SQLite), and each run's deletions are queued in a
     # short transaction of their own. A plan gone stale by then (a pin, a
     # newer checkpoint failed) is treated as one gone stale after its
     # deletions were queued: the delete job checks its refusals again under
     # the checkpoint's lock (retention/jobs.py).
-    async with transaction(resources.sessionmaker) as session:
-        expired = await expire_incomplete(session, resources)
     plans: list[tuple[str, list[tuple[int, int]]]] = []
     async with reading(resources.sessionmaker)() as session:
-        for run in list(await session.scalars(select(Run))):
+        runs = select(Run) if run_id is None else select(Run).where(Run.id == run_id)
+        for run in list(await session.scalars(runs)):
             plan = await plan_for_run(session, run, resources)
             victims = []
             for step in sorted(plan.delete):
@@ -227,8 +238,7 @@ async def apply_all(resources: Resources) -> dict[str, int]:
         async with transaction(resources.sessionmaker) as session:
             for _step, checkpoint_id in victims:
                 deleted += await kinds.enqueue_delete(session, checkpoint_id, reason)
-    evicted = await evict_local_copies(resources)
-    return {"expired": expired, "delete_queued": deleted, "evicted": evicted}
+    return deleted
 
 
 # -- the per-run retention endpoints ------------------------------------------

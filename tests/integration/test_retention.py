@@ -5,6 +5,7 @@ and the expiry of checkpoints whose ranks never all arrived."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,14 @@ async def wait_deleted(agent: Agent, step: int) -> dict[str, Any]:
             return detail
         await asyncio.sleep(0.05)
     raise AssertionError(f"step {step} not deleted: {detail}")
+
+
+async def wait_until(condition: Callable[[], bool], what: str = "") -> None:
+    for _ in range(600):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not reached in 30 s: {what}")
 
 
 async def test_retention_deletes_objects_but_keeps_latest_and_pinned(
@@ -111,8 +120,9 @@ async def test_t0_copies_are_evicted_only_when_durable_and_beyond_keep_last(
     async with running_agent(catalog_url, tmp_path, local={"keep_last": 2}) as agent:
         for step in range(1, 5):
             await agent.wait_state("r", step)
-        assert await evict_local_copies(agent.resources) == 2
-        assert not dirs[1].exists() and not dirs[2].exists()
+        # Evicted as the checkpoints became durable (retain jobs), not by a sweep.
+        await wait_until(lambda: not dirs[1].exists() and not dirs[2].exists())
+        assert await evict_local_copies(agent.resources) == 0
         assert (dirs[3] / "a" / "w.bin").exists() and (dirs[4] / "b").exists()
         assert (agent.ssd / "run").is_dir()  # never above the shard's own directory
         detail = (await agent.http.get("/v1/runs/r/latest", params={"node": "node-test"})).json()
@@ -152,6 +162,64 @@ async def test_eviction_of_a_single_file_checkpoint_keeps_the_trainers_directory
         model = write_checkpoint(out, {"model-1.pt": b"w"}) / "model-1.pt"
         assert (await agent.register("r", 1, model)).status_code == 202
         await agent.wait_state("r", 1)
-        assert await evict_local_copies(agent.resources) == 1
-        assert not model.exists()
+        await wait_until(lambda: not model.exists())
         assert out.is_dir() and (out / "logs").is_dir()  # not the checkpoint's to remove
+
+
+async def test_retention_applies_when_a_checkpoint_becomes_durable(
+    catalog_url: str,
+    tmp_path: Path,
+    seaweed: SeaweedServer,
+    seaweed_west: SeaweedServer,
+    s3_bucket: str,
+    s3_client: Any,
+) -> None:
+    """keep_last = 2 with the periodic sweep an hour away: within seconds of
+    each checkpoint becoming durable, the run holds 2 durable checkpoints (plus
+    the protected ones: 3, pinned) in every region, and T0 its newest 2."""
+    west_bucket = seaweed_west.create_bucket(f"west-{s3_bucket}")
+    west = seaweed_west.client()
+    regions = [
+        s3_region("east", seaweed.endpoint_url, s3_bucket),
+        s3_region("west", seaweed_west.endpoint_url, west_bucket),
+    ]
+    async with running_agent(
+        catalog_url,
+        tmp_path,
+        regions,
+        local={"keep_last": 2},
+        retention={"keep_last": 2, "interval_seconds": 3600},
+    ) as agent:
+        dirs = {}
+        for step in range(1, 6):
+            dirs[step] = write_checkpoint(agent.ssd / "run" / f"s{step}", {"w.bin": 1000 + step})
+            assert (await agent.register("r", step, dirs[step])).status_code == 202
+            await agent.wait_state("r", step, ("replicated",))
+            if step == 3:
+                # Pinned: protected, so it stays beside the newest two.
+                assert (await agent.http.post("/v1/runs/r/checkpoints/3/pin")).status_code == 200
+        for step in (1, 2):
+            detail = await wait_deleted(agent, step)
+            assert detail["deleted_reason"].startswith("retention (keep_last=2")
+            assert {r["state"] for r in detail["replicas"]} == {"deleted"}
+            assert keys_of_step(s3_client, s3_bucket, step) == set()
+            assert keys_of_step(west, west_bucket, step) == set()
+        await wait_until(
+            lambda: not any(dirs[s].exists() for s in (1, 2, 3)), "T0 beyond keep_last evicted"
+        )
+        for step in (3, 4, 5):
+            assert keys_of_step(s3_client, s3_bucket, step) and keys_of_step(
+                west, west_bucket, step
+            )
+        assert dirs[4].exists() and dirs[5].exists()
+        states = {
+            c["step"]: c["state"]
+            for c in (await agent.http.get("/v1/runs/r/checkpoints")).json()["checkpoints"]
+        }
+        assert states == {
+            1: "deleted",
+            2: "deleted",
+            3: "replicated",
+            4: "replicated",
+            5: "replicated",
+        }
