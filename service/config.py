@@ -297,7 +297,10 @@ class RetentionSettings(RetentionPolicySettings):
     their ancestors are always kept."""
 
     interval_seconds: float = Field(300.0, gt=0)
-    """Seconds between retention rounds (which also evict local copies)."""
+    """Seconds between retention rounds over every run (which also evict local
+    copies). A run's retention is also applied as soon as one of its
+    checkpoints becomes durable; the rounds catch what that missed (a policy
+    changed, a retain job that gave up)."""
 
 
 class Settings(BaseModel):
