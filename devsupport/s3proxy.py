@@ -10,8 +10,8 @@ Requests pass through untouched until a test asks for trouble:
 - ``only=`` on either narrows the fault to the requests it accepts (say,
   one S3 operation that a bucket policy refuses), the rest pass.
 
-Every request is logged (time, method, path, status, whether it was a
-fault), so a test can count attempts and see how they were spaced: retries
+Every request is logged (time, method, path, query, x-amz-* headers,
+status, whether it was a fault), so a test can count attempts and see how they were spaced: retries
 with backoff, not a busy loop. It listens on loopback only and runs its own
 event loop in a thread (``loopthread.LoopbackServerThread``).
 """
@@ -49,6 +49,9 @@ class Seen:
     path: str
     status: int
     fault: bool
+    query: str = ""  # the raw query string (?uploads, ?partNumber=…)
+    # The request's x-amz-* headers, names lower-cased (encryption, storage class, …).
+    amz: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -153,7 +156,22 @@ class S3FaultProxy(LoopbackServerThread):
             return fault
 
     def _record(self, request: web.Request, status: int, *, fault: bool) -> None:
-        self.log.append(Seen(time.monotonic(), request.method, request.path, status, fault))
+        amz = tuple(
+            sorted(
+                (k.lower(), v) for k, v in request.headers.items() if k.lower().startswith("x-amz-")
+            )
+        )
+        self.log.append(
+            Seen(
+                time.monotonic(),
+                request.method,
+                request.path,
+                status,
+                fault,
+                query=request.query_string,
+                amz=amz,
+            )
+        )
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()

@@ -16,6 +16,7 @@ This module must stay importable without pytest: the benchmarks and examples/dem
 from __future__ import annotations
 
 import atexit
+import base64
 import contextlib
 import os
 import random
@@ -192,6 +193,7 @@ class SeaweedServer:
         self.start_seconds: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
+        self._sse_key = base64.b64encode(os.urandom(32)).decode()
 
     # -- public surface --------------------------------------------------
 
@@ -215,6 +217,11 @@ class SeaweedServer:
             raise SeaweedError(f"SeaweedServer already running (pid {self.pid})")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "master.toml").write_text(MASTER_TOML)
+        # SSE-S3 (x-amz-server-side-encryption: AES256) needs a key to derive
+        # its key-encryption key from; without one weed answers InternalError.
+        # The same key on every start: objects written before a restart must
+        # still decrypt after it.
+        (self.data_dir / "security.toml").write_text(f'[s3.sse]\nkey = "{self._sse_key}"\n')
         first_start = not self.ports
         # A port seen free a moment ago can be taken before weed binds it;
         # on the first start there is nobody to disappoint, so pick again.

@@ -129,6 +129,34 @@ class RegionSettings(BaseModel):
     """S3 signing region."""
     root: Path | None = None
     """Directory of a POSIX region (required for kind `posix`)."""
+    sse: Literal["AES256", "aws:kms"] | None = None
+    """S3 server-side encryption of every object written: `AES256` (SSE-S3)
+    or `aws:kms` (SSE-KMS, with `sse_kms_key_id` or the bucket's default
+    key); unset: the bucket's default. Reads need nothing more."""
+    sse_kms_key_id: str | None = Field(None, min_length=1, max_length=2048)
+    """The KMS key (id, ARN or alias) for `sse = "aws:kms"`."""
+    storage_class: (
+        Literal[
+            "STANDARD",
+            "STANDARD_IA",
+            "ONEZONE_IA",
+            "INTELLIGENT_TIERING",
+            "GLACIER_IR",
+            "REDUCED_REDUNDANCY",
+            "EXPRESS_ONEZONE",
+        ]
+        | None
+    ) = None
+    """S3 storage class of every object written; unset: the bucket's default.
+    Only classes that read back at once: `GLACIER` and `DEEP_ARCHIVE` would
+    make every restore wait hours for a thaw, and are refused."""
+    hashed_prefix: bool = False
+    """Store each rank's objects under a short hash of run, step and rank
+    (`<prefix>/<4 hex>/<run>/step-…/rank-…/…`), so that many ranks writing at
+    once spread over S3's prefix partitions instead of throttling one
+    (503 SlowDown). Recorded in each MANIFEST.json (`key_layout`); manifests
+    stay at `<run>/step-…/MANIFEST.json`. Choose it before the region holds
+    checkpoints: the agent reads a region with the layout configured."""
 
     @field_validator("name")
     @classmethod
@@ -151,6 +179,12 @@ class RegionSettings(BaseModel):
             raise ValueError(f"region {self.name!r}: kind 's3' needs a bucket")
         if self.kind == "posix" and self.root is None:
             raise ValueError(f"region {self.name!r}: kind 'posix' needs a root")
+        if self.kind != "s3" and (self.sse or self.storage_class or self.hashed_prefix):
+            raise ValueError(
+                f"region {self.name!r}: sse, storage_class and hashed_prefix are S3 settings"
+            )
+        if self.sse_kms_key_id and self.sse != "aws:kms":
+            raise ValueError(f'region {self.name!r}: sse_kms_key_id needs sse = "aws:kms"')
         return self
 
 

@@ -1,7 +1,7 @@
 """What a checkpoint consists of in a region: its objects and its manifest.
 
 Commit, replicate and verify jobs all need the same answer, built here from
-the catalog so every region gets byte-identical manifests.
+the catalog so every region gets byte-identical manifests (per key layout).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class Contents:
     objects: list[ObjectEntry]  # sha256 "" where the catalog has none yet
     complete: bool  # every rank uploaded and every file hashed
 
-    def manifest(self, checkpoint: Checkpoint) -> bytes:
+    def manifest(self, checkpoint: Checkpoint, key_layout: str | None = None) -> bytes:
+        """The MANIFEST.json of a region whose store has ``key_layout``."""
         return build_manifest(
             run=self.run,
             step=checkpoint.step,
@@ -35,6 +36,7 @@ class Contents:
             metadata=checkpoint.meta,
             created_at=checkpoint.created_at,
             files=self.objects,
+            key_layout=key_layout,
         )
 
     def manifest_key(self, checkpoint: Checkpoint) -> str:

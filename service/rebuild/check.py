@@ -55,6 +55,16 @@ async def check_region(
     except Exception as exc:
         log.warning("%s: reading %s failed: %s", store.region, info.key, exc)
         return RegionCheck(status=UNVERIFIED, error=f"reading MANIFEST.json failed: {exc}")
+    if manifest.key_layout != store.key_layout:
+        # Not corruption: the objects are where the manifest says, and this
+        # agent would look for them elsewhere.
+        error = (
+            f"MANIFEST.json says key layout {manifest.key_layout or 'plain'}, the region is "
+            f"configured with {store.key_layout or 'plain'} (hashed_prefix): set it to match "
+            "to read this copy"
+        )
+        log.warning("%s: %s: %s", store.region, info.key, error)
+        return RegionCheck(status=UNVERIFIED, error=error)
     verification = await verify_objects(
         store,
         manifest.files,

@@ -146,7 +146,7 @@ class ReplicationJobs:
                 if r.region in self.r.stores
             ]
             contents = await load_contents(session, checkpoint)
-            manifest = contents.manifest(checkpoint)
+            manifest = contents.manifest(checkpoint, region_store(self.r.stores, job).key_layout)
             manifest_key = contents.manifest_key(checkpoint)
             step_prefix = contents.step_prefix(checkpoint)
             objects = contents.objects

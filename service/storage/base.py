@@ -44,6 +44,9 @@ class ObjectStore(ABC):
 
     region: str
     kind: str
+    # What this store's MANIFEST.json files say about where the objects are
+    # (storage/layout.py); None: the plain layout.
+    key_layout: str | None = None
 
     @abstractmethod
     def uri(self, key: str) -> str:

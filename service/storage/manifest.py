@@ -9,8 +9,10 @@ only one that writes (``build_manifest``) or reads (``parse_manifest``) it.
 Invariants:
 
 - ``build_manifest`` is deterministic: the same checkpoint gives the same
-  bytes in every region (sorted keys, files sorted by rank then path), so a
-  replica's ``manifest_sha256`` can be compared across regions and over time.
+  bytes in every region of one key layout (sorted keys, files sorted by rank
+  then path), so a replica's ``manifest_sha256`` can be compared across
+  regions and over time. A region with a hashed key prefix says so
+  (``key_layout``, see layout.py); the plain layout writes no such field.
 - ``parse_manifest`` trusts nothing: the bytes come from a bucket, maybe
   written by hand. Every field a catalog row or an object key is built from
   is checked, and a manifest that fails a check raises ``InvalidManifest``
@@ -77,6 +79,7 @@ def build_manifest(
     metadata: dict[str, Any],
     created_at: datetime,
     files: Iterable[ObjectEntry],
+    key_layout: str | None = None,
 ) -> bytes:
     """The manifest's bytes; ``created_at`` is naive UTC, written with a "Z"."""
     prefix = layout.step_prefix(run, step)
@@ -86,7 +89,7 @@ def build_manifest(
             raise ValueError(f"{entry.key} is not an object of {run} step {step}")
         listed.append((entry.rank, entry.path, entry))
     listed.sort(key=lambda item: (item[0], item[1]))
-    document = {
+    document: dict[str, Any] = {
         "format": FORMAT,
         "run": run,
         "step": step,
@@ -101,6 +104,8 @@ def build_manifest(
             for rank, path, e in listed
         ],
     }
+    if key_layout is not None:
+        document["key_layout"] = key_layout
     return json.dumps(document, indent=1, sort_keys=True, ensure_ascii=False).encode()
 
 
@@ -127,6 +132,7 @@ class Manifest:
     metadata: dict[str, Any]
     created_at: datetime  # naive UTC
     files: tuple[ObjectEntry, ...]  # sorted
+    key_layout: str | None = None  # where the objects are (layout.py); None: plain
 
     @property
     def content(self) -> Content:
@@ -154,6 +160,9 @@ def parse_manifest(data: bytes, run: str, step: int) -> Manifest:
     if not isinstance(metadata, dict):
         raise InvalidManifest("metadata must be an object")
     files = _files(document.get("files"), run, step, world_size)
+    key_layout = document.get("key_layout")
+    if key_layout not in (None, layout.HASHED_LAYOUT):
+        raise InvalidManifest(f"unknown key_layout {key_layout!r}")
     return Manifest(
         digest=manifest_digest(data),
         world_size=world_size,
@@ -163,6 +172,7 @@ def parse_manifest(data: bytes, run: str, step: int) -> Manifest:
         metadata=metadata,
         created_at=_timestamp(document.get("created_at")),
         files=files,
+        key_layout=key_layout,
     )
 
 

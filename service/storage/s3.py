@@ -14,6 +14,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ..config import RegionSettings
+from . import layout
 from .base import MultipartUpload, ObjectInfo, ObjectNotFound, ObjectStore, PartRef, StoreError
 
 UNSIGNED_PAYLOAD_SIGNER = "s3v4-tierckpt-unsigned-payload"
@@ -133,9 +134,34 @@ class S3Store(ObjectStore):
             if v
         }
         self._presigner: Any = None
+        self.hashed = settings.hashed_prefix
+        self.key_layout = layout.HASHED_LAYOUT if settings.hashed_prefix else None
+        # Written on every new object (PUT, multipart, copy): encryption and class.
+        self._write_args: dict[str, str] = {}
+        if settings.sse:
+            self._write_args["ServerSideEncryption"] = settings.sse
+        if settings.sse_kms_key_id:
+            self._write_args["SSEKMSKeyId"] = settings.sse_kms_key_id
+        if settings.storage_class:
+            self._write_args["StorageClass"] = settings.storage_class
 
     def full_key(self, key: str) -> str:
+        if self.hashed:
+            key = layout.hashed(key)
         return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _listing(self, prefix: str) -> tuple[str, int]:
+        """(what to list in the bucket, how much of each listed key is the
+        region's prefix). In a hashed region only a rank's prefix (or deeper)
+        names one partition; a shorter one lists the region whole, filtered."""
+        strip = len(self.full_key(""))
+        if self.hashed and layout.partition(prefix + "x") is None:
+            return self.full_key(""), strip
+        return self.full_key(prefix), strip
+
+    def _logical(self, stored: str, strip: int) -> str:
+        key = stored[strip:]
+        return layout.unhashed(key) if self.hashed else key
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.full_key(key)}"
@@ -182,10 +208,12 @@ class S3Store(ObjectStore):
             raise StoreError(f"{self.region}: unreachable: {exc}") from exc
 
     async def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        await self._call("put_object", Key=self.full_key(key), Body=_body(data))
+        await self._call("put_object", Key=self.full_key(key), Body=_body(data), **self._write_args)
 
     async def create_multipart(self, key: str) -> MultipartUpload:
-        answer = await self._call("create_multipart_upload", Key=self.full_key(key))
+        answer = await self._call(
+            "create_multipart_upload", Key=self.full_key(key), **self._write_args
+        )
         return MultipartUpload(key=key, upload_id=answer["UploadId"])
 
     async def upload_part(
@@ -229,9 +257,12 @@ class S3Store(ObjectStore):
         client = await self._s3()
         paginator = client.get_paginator("list_multipart_uploads")
         aborted = 0
+        listed, strip = self._listing(prefix)
         try:
-            async for page in paginator.paginate(Bucket=self.bucket, Prefix=self.full_key(prefix)):
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=listed):
                 for upload in page.get("Uploads", []):
+                    if not self._logical(upload["Key"], strip).startswith(prefix):
+                        continue
                     with contextlib.suppress(ObjectNotFound):  # it ended meanwhile
                         await self._call(
                             "abort_multipart_upload", Key=upload["Key"], UploadId=upload["UploadId"]
@@ -289,11 +320,13 @@ class S3Store(ObjectStore):
     async def list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
         client = await self._s3()
         paginator = client.get_paginator("list_objects_v2")
-        strip = len(self.full_key(""))
+        listed, strip = self._listing(prefix)
         try:
-            async for page in paginator.paginate(Bucket=self.bucket, Prefix=self.full_key(prefix)):
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=listed):
                 for item in page.get("Contents", []):
-                    yield ObjectInfo(key=item["Key"][strip:], size=int(item["Size"]))
+                    key = self._logical(item["Key"], strip)
+                    if key.startswith(prefix):
+                        yield ObjectInfo(key=key, size=int(item["Size"]))
         except (ClientError, BotoCoreError, OSError) as exc:
             raise StoreError(f"{self.region}: list {prefix} failed: {exc}") from exc
 
@@ -322,7 +355,9 @@ class S3Store(ObjectStore):
     ) -> None:
         copy_source = {"Bucket": source.bucket, "Key": source.full_key(source_key)}
         if size <= COPY_OBJECT_LIMIT:
-            await self._call("copy_object", Key=self.full_key(key), CopySource=copy_source)
+            await self._call(
+                "copy_object", Key=self.full_key(key), CopySource=copy_source, **self._write_args
+            )
             return
         # CopyObject stops at 5 GiB; larger objects are copied part by part,
         # still without the bytes leaving the store.

@@ -290,7 +290,7 @@ class UploadJobs:
             contents = await load_contents(session, checkpoint)
             if not contents.complete:
                 raise PermanentJobError("commit attempted before every shard was uploaded")
-            manifest = contents.manifest(checkpoint)
+            manifest = contents.manifest(checkpoint, store.key_layout)
             key = contents.manifest_key(checkpoint)
 
         try:

@@ -223,3 +223,50 @@ async def test_verifier_read_errors_are_no_verdict(tmp_path: Path) -> None:
         store, [good], slots=asyncio.Semaphore(1), width=1, collect_read_errors=False
     )
     assert clean.ok
+
+
+def test_hashed_regions_say_so_in_the_manifest_and_plain_ones_do_not() -> None:
+    plain = parse_manifest(STORED, "llm", 42)
+    assert plain.key_layout is None and b"key_layout" not in STORED
+    hashed = build_manifest(
+        **{**_fields(), "files": STORED_FILES, "key_layout": layout.HASHED_LAYOUT}
+    )
+    parsed = parse_manifest(hashed, "llm", 42)
+    assert parsed.key_layout == layout.HASHED_LAYOUT
+    assert parsed.content == plain.content  # the same checkpoint, elsewhere in the bucket
+    unknown = json.loads(hashed)
+    unknown["key_layout"] = "sharded-by-moon-phase"
+    with pytest.raises(InvalidManifest, match="unknown key_layout"):
+        parse_manifest(json.dumps(unknown).encode(), "llm", 42)
+
+
+def _fields() -> dict[str, object]:
+    return {
+        "run": "llm",
+        "step": 42,
+        "world_size": 2,
+        "epoch": 3,
+        "parent": {"run": "base", "step": 40},
+        "metrics": {"loss": 0.25},
+        "metadata": {"note": "näive"},
+        "created_at": datetime(2025, 3, 4, 5, 6, 7, 890000),
+    }
+
+
+def test_hashed_keys_map_back_and_partition_by_rank() -> None:
+    key = layout.object_key("llm", 42, 3, "a/b.bin")
+    stored = layout.hashed(key)
+    segment, _, rest = stored.partition("/")
+    assert rest == key and len(segment) == layout.PARTITION_HEX
+    assert segment == layout.partition(layout.shard_prefix("llm", 42, 3) + "x")
+    assert layout.unhashed(stored) == key
+    # Manifests and step prefixes are not moved; plain keys map to themselves.
+    assert layout.hashed(layout.manifest_key("llm", 42)) == layout.manifest_key("llm", 42)
+    assert layout.partition(layout.step_prefix("llm", 42)) is None
+    assert layout.unhashed(key) == key
+    # A run named like a partition segment is not mistaken for one.
+    lookalike = layout.object_key(segment, 1, 0, "x")
+    assert layout.unhashed(lookalike) == lookalike
+    # Ranks of one checkpoint spread over partitions.
+    segments = {layout.partition(layout.shard_prefix("llm", 42, r) + "x") for r in range(64)}
+    assert len(segments) > 50
