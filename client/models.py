@@ -79,8 +79,18 @@ class Location(_Model):
 
 
 class LocalCopy(_Model):
+    """The T0 copies of a checkpoint on the asking node (``latest(node=…)``)."""
+
     node: str
-    path: str
+    path: str | None = None  # rank 0's directory (the checkpoint, when world_size is 1)
+    ranks: dict[int, str] = {}  # every intact rank on this node -> its directory
+
+    def of_rank(self, rank: int) -> str | None:
+        """Rank ``rank``'s intact copy on this node (an agent older than
+        ``ranks`` names only a whole single-rank checkpoint's, as ``path``)."""
+        if self.ranks:
+            return self.ranks.get(rank)
+        return self.path if rank == 0 else None
 
 
 class Checkpoint(_Model):

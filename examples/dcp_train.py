@@ -43,7 +43,7 @@ from tierckpt.client import CheckpointClient
 from tierckpt.client.torch import (
     PendingSave,
     latest_distributed,
-    restore_distributed,
+    restore_distributed_report,
     save_distributed,
     save_distributed_async,
 )
@@ -116,7 +116,10 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
                 # Built only now: get_state_dict() steps a fresh optimizer
                 # once (lr 0) to create its state, which a fresh run must not see.
                 loaded = state(0)
-                step = restore_distributed(client, args.run, loaded, args.root, step=latest)
+                restored = restore_distributed_report(
+                    client, args.run, loaded, args.root, step=latest, node=args.node
+                )
+                step = restored.step
                 set_state_dict(
                     model,
                     optimizer,
@@ -125,7 +128,9 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
                 )
                 if loaded["step"] != step:
                     raise RuntimeError(f"checkpoint says step {loaded['step']}, not {step}")
-                emit(rank, "resumed", step=step)
+                # Every rank's files hard-linked from this node's T0 copies
+                # ("local") or downloaded ("region"): rank 0 tells.
+                emit(rank, "resumed", step=step, source=restored.source)
         emit(rank, "start", from_step=step, steps=args.steps, world_size=world)
         while step < args.steps:
             index = batch_of(step, rank, world, args.batch, args.seed)
@@ -199,6 +204,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--final-out", type=Path, help="rank 0 writes the final weights here")
     parser.add_argument("--no-register", action="store_true", help="reference run, no agent")
+    parser.add_argument(
+        "--node", default=None, help="this node's name as the agent knows it (default: host name)"
+    )
     parser.add_argument(
         "--async-save",
         action="store_true",

@@ -57,9 +57,11 @@ from .checkpoint_dir import (
 )
 from .checkpointer import Restored, TorchCheckpointer, default_node
 from .dcp import (
+    DistributedRestored,
     PendingSave,
     latest_distributed,
     restore_distributed,
+    restore_distributed_report,
     save_distributed,
     save_distributed_async,
 )
@@ -74,6 +76,7 @@ __all__ = [
     "STAGING_PREFIX",
     "STATE_FILE",
     "TENSORS_FILE",
+    "DistributedRestored",
     "PendingSave",
     "Restored",
     "ResumableLoader",
@@ -85,6 +88,7 @@ __all__ = [
     "latest_distributed",
     "load_state",
     "restore_distributed",
+    "restore_distributed_report",
     "restore_rng",
     "save_distributed",
     "save_distributed_async",

@@ -1,6 +1,7 @@
 """The trainer's side: :class:`TorchCheckpointer` saves a training loop's
-state and registers it, and resumes from the latest valid checkpoint (the
-node's own T0 copy when still verified, else a verified download).
+state and registers it, and resumes from the latest valid checkpoint (this
+rank's T0 copy when this node still holds it intact, else a verified
+download).
 """
 
 from __future__ import annotations
@@ -264,10 +265,11 @@ class TorchCheckpointer:
         }
         state: TrainingState | None = None
         source, used_region, path = "local", None, None
-        if latest.local is not None and self.world_size == 1:
+        local = latest.local.of_rank(self.rank) if latest.local is not None else None
+        if local is not None:
             try:
-                state = load_state(latest.local.path, **kwargs)
-                path = latest.local.path
+                state = load_state(local, **kwargs)
+                path = local
                 if state.step != latest.step:
                     raise ValueError(f"holds step {state.step}, not {latest.step}")
             except (OSError, ValueError, KeyError, RuntimeError) as exc:

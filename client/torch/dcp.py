@@ -2,7 +2,8 @@
 
 Every rank writes its part into its own directory and registers it as its
 rank; a restore brings all ranks' files back into one directory, where DCP
-finds ``.metadata`` and every ``__R_0.distcp``. Every call is collective;
+finds ``.metadata`` and every ``__R_0.distcp`` (hard-linked from this node's
+T0 copies when it holds every rank's). Every call is collective;
 :func:`save_distributed_async` returns once the state is staged in memory and
 registers each rank's part when DCP has written it.
 """
@@ -23,8 +24,10 @@ from typing import Any
 
 from ..errors import NotFoundError, TierckptError
 from ..models import Checkpoint
+from ..restore import safe_relpath
 from ..sync_client import CheckpointClient
 from .checkpoint_dir import RESTORE_PREFIX, STAGING_PREFIX
+from .checkpointer import default_node
 
 log = logging.getLogger("tierckpt.client.torch")
 
@@ -292,6 +295,14 @@ def latest_distributed(
     return None if found is None else int(found)
 
 
+@dataclass(frozen=True)
+class DistributedRestored:
+    """What one rank's :func:`restore_distributed_report` loaded, and from where."""
+
+    step: int  # 0: nothing to restore
+    source: str | None  # "local" (this node's T0 copies, linked), "region", None
+
+
 def restore_distributed(
     client: CheckpointClient,
     run: str,
@@ -304,33 +315,96 @@ def restore_distributed(
 ) -> int:
     """Collective: load a DCP checkpoint of ``run`` (``step``, default the
     latest valid one, see :func:`latest_distributed`) into ``state_dict`` in
-    place, as ``dcp.load`` does. Every rank downloads the whole checkpoint
-    (all ranks' files in one directory, which is what DCP reads) next to its
-    data, loads it and removes the download. Returns the step, 0 when there
-    is none.
+    place, as ``dcp.load`` does. Returns the step, 0 when there is none.
+
+    Each rank needs every rank's files in one directory (what DCP reads).
+    When this node holds every rank's T0 copy intact (a job whose ranks share
+    a node, restarted there), they are hard-linked into a scratch directory
+    next to them: no bytes move. Otherwise the rank downloads the whole
+    checkpoint, verified. Either way the scratch directory goes afterwards.
 
     Build ``state_dict`` only once you know there is something to load:
     ``get_state_dict(model, optimizer)`` initialises a fresh optimizer's state
     by stepping it (with lr 0), which shifts Adam's step count of a fresh run.
     """
+    return restore_distributed_report(
+        client,
+        run,
+        state_dict,
+        root,
+        step=step,
+        region=region,
+        process_group=process_group,
+    ).step
+
+
+def restore_distributed_report(
+    client: CheckpointClient,
+    run: str,
+    state_dict: dict[str, Any],
+    root: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    region: str | None = None,
+    process_group: Any = None,
+    node: str | None = None,
+) -> DistributedRestored:
+    """:func:`restore_distributed`, saying where this rank's files came from."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     if step is None:
         step = latest_distributed(client, run, region=region, process_group=process_group)
         if step is None:
-            return 0
+            return DistributedRestored(0, None)
     rank = dist.get_rank(process_group)
     run_dir = Path(os.path.abspath(root)) / run
     run_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{RESTORE_PREFIX}{step}-rank{rank}-", dir=run_dir))
     try:
-        restored = client.restore(run, scratch / "ckpt", step=step, region=region)
+        source = "local"
+        files = _link_local_copies(client, run, step, region, node or default_node(), scratch)
+        if files is None:
+            source = "region"
+            files = client.restore(run, scratch / "ckpt", step=step, region=region)
         dcp.load(
             state_dict,
-            storage_reader=dcp.FileSystemReader(str(restored)),
+            storage_reader=dcp.FileSystemReader(str(files)),
             process_group=process_group,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return int(step)
+    return DistributedRestored(int(step), source)
+
+
+def _link_local_copies(
+    client: CheckpointClient,
+    run: str,
+    step: int,
+    region: str | None,
+    node: str,
+    scratch: Path,
+) -> Path | None:
+    """Every rank's files of ``step``, hard-linked from this node's intact T0
+    copies into ``scratch/local``; None when this node does not hold them all
+    (or one went meanwhile: evicted, replaced), and the caller downloads."""
+    latest = client.latest(run, region=region, node=node)
+    if latest is None or latest.step != step or latest.local is None:
+        return None  # an older step is asked for: its copies are not checked here
+    ranks = latest.local.ranks
+    if any(r not in ranks for r in range(latest.world_size)):
+        return None
+    target = scratch / "local"
+    target.mkdir()
+    try:
+        for entry in latest.files:
+            relative = safe_relpath(entry.path)  # raises on a path out of the directory
+            destination = target / relative
+            if destination.exists():
+                return None  # two ranks with one file name: not a DCP layout
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.link(Path(ranks[entry.rank]) / relative, destination)
+    except OSError as exc:
+        log.info("%s step %d: local copies not usable (%s); downloading", run, step, exc)
+        return None
+    return target

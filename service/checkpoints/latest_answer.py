@@ -109,25 +109,32 @@ async def _read_with_retry(
 
 async def _local_copy(
     resources: Resources, rows: LatestRows, node: str | None
-) -> dict[str, str] | None:
-    """The T0 copy, only when this agent is that node and can check the
-    files are still exactly what was uploaded (size and mtime)."""
-    if node is None or node != resources.settings.server.node or rows.checkpoint.world_size != 1:
+) -> dict[str, Any] | None:
+    """The T0 copies of the checkpoint's ranks on the asking node, only when
+    this agent is that node and can check their files are still exactly what
+    was uploaded (size and mtime): ``ranks`` maps each intact rank to its
+    directory; ``path`` is rank 0's (None when rank 0 is not intact here)."""
+    if node is None or node != resources.settings.server.node:
         return None
-    shard = rows.shards[0]
-    if shard.node != node:
+    mine = {shard.rank: shard.path for shard in rows.shards if shard.node == node}
+    if not mine:
         return None
 
-    def intact() -> bool:
+    def intact_ranks() -> dict[int, str]:
+        broken: set[int] = set()
         for f in rows.files:
+            if f.rank not in mine or f.rank in broken:
+                continue
             try:
-                info = os.stat(Path(shard.path) / f.file_path)
+                info = os.stat(Path(mine[f.rank]) / f.file_path)
             except OSError:
-                return False
+                broken.add(f.rank)
+                continue
             if info.st_size != f.file_size or info.st_mtime_ns != f.file_mtime_ns:
-                return False
-        return True
+                broken.add(f.rank)
+        return {rank: path for rank, path in sorted(mine.items()) if rank not in broken}
 
-    if await asyncio.to_thread(intact):
-        return {"node": node, "path": shard.path}
-    return None
+    ranks = await asyncio.to_thread(intact_ranks)
+    if not ranks:
+        return None
+    return {"node": node, "path": ranks.get(0), "ranks": {str(r): p for r, p in ranks.items()}}

@@ -147,7 +147,7 @@ def checkpoint_document(run: str, c: CheckpointValues, listing: Listing) -> dict
 
 
 def latest_document(
-    run: str, c: CheckpointValues, listing: Listing, local: dict[str, str] | None
+    run: str, c: CheckpointValues, listing: Listing, local: dict[str, Any] | None
 ) -> dict[str, Any]:
     """The latest valid checkpoint as the JSON of a LatestOut: the checkpoint
     plus its committed copies and the T0 copy on the asking node, if any."""

@@ -176,7 +176,13 @@ class LocationOut(BaseModel):
 
 class LocalCopyOut(BaseModel):
     node: str
-    path: str
+    path: str | None = Field(
+        description="rank 0's T0 copy on this node (the whole checkpoint when world_size is 1)"
+    )
+    ranks: dict[int, str] = Field(
+        default_factory=dict,
+        description="every rank whose T0 copy on this node is intact: rank -> its directory",
+    )
 
 
 class LatestOut(CheckpointOut):

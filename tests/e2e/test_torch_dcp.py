@@ -11,6 +11,7 @@ it to the same weights as an uninterrupted run.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from devsupport.processes import cli
-from tests.e2e.test_torch_resume import AgentFactory, settle, start_agent  # noqa: F401
+from tests.e2e.test_torch_resume import NODE, AgentFactory, settle, start_agent  # noqa: F401
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
@@ -58,7 +59,7 @@ def test_two_rank_dcp_checkpoint_registers_restores_and_resumes(
     tmp_path: Path,
 ) -> None:
     agent, ssd = start_agent()
-    job = ("--server", agent.url, "--root", str(ssd))
+    job = ("--server", agent.url, "--root", str(ssd), "--node", NODE)
 
     events = launch(
         *job, "--steps", "12", "--final-out", str(tmp_path / "w12.st"), log=tmp_path / "a.log"
@@ -95,12 +96,13 @@ def test_two_rank_dcp_checkpoint_registers_restores_and_resumes(
     for name, tensor in final.items():
         assert torch.equal(state["model"][name], tensor), name
 
-    # Relaunched: both ranks restore step 12 and train on to 16, ending where
-    # an uninterrupted 16-step run ends, bit for bit.
+    # Relaunched on the same node: both ranks restore step 12 from this node's
+    # T0 copies (hard-linked, no download) and train on to 16, ending where an
+    # uninterrupted 16-step run ends, bit for bit.
     events = launch(
         *job, "--steps", "16", "--final-out", str(tmp_path / "w16.st"), log=tmp_path / "b.log"
     )
-    assert events[0] == {"event": "resumed", "step": 12}
+    assert events[0] == {"event": "resumed", "step": 12, "source": "local"}
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [16]
     reference = launch(
         "--root",
@@ -131,7 +133,7 @@ def test_asynchronous_dcp_saves_register_once_written_and_resume_exactly(
     files, and a resumed job (saving asynchronously too) ends bit-identical to
     an uninterrupted run."""
     agent, ssd = start_agent()
-    job = ("--server", agent.url, "--root", str(ssd), "--async-save")
+    job = ("--server", agent.url, "--root", str(ssd), "--node", NODE, "--async-save")
 
     events = launch(*job, "--steps", "12", log=tmp_path / "a.log")
     assert [(e["step"], e["state"]) for e in events if e["event"] == "checkpoint"] == [
@@ -151,10 +153,13 @@ def test_asynchronous_dcp_saves_register_once_written_and_resume_exactly(
     # write_seconds is the stall (the staging), reported by both ranks.
     assert detail["write_seconds"] is not None
 
+    # Rank 1's T0 copy is gone (a replaced disk): this node no longer holds
+    # every rank, so both ranks download step 12 (verified) instead.
+    shutil.rmtree(ssd / RUN / "step-12" / "rank-00001")
     events = launch(
         *job, "--steps", "16", "--final-out", str(tmp_path / "w16.st"), log=tmp_path / "b.log"
     )
-    assert events[0] == {"event": "resumed", "step": 12}
+    assert events[0] == {"event": "resumed", "step": 12, "source": "region"}
     reference = launch(
         "--root",
         str(tmp_path / "unused"),

@@ -173,12 +173,44 @@ async def test_latest_on_this_node_reports_the_intact_local_copy(
         node = agent.settings.server.node
 
         here = (await agent.http.get(f"/v1/runs/r/latest?node={node}")).json()
-        assert here["local"] == {"node": node, "path": str(ckpt)}
+        assert here["local"] == {"node": node, "path": str(ckpt), "ranks": {"0": str(ckpt)}}
         assert (await agent.http.get("/v1/runs/r/latest?node=elsewhere")).json()["local"] is None
 
         (ckpt / "sub" / "o.bin").write_bytes(b"changed!!!")
         changed = (await agent.http.get(f"/v1/runs/r/latest?node={node}")).json()
         assert changed["step"] == 1 and changed["local"] is None
+
+
+async def test_latest_on_this_node_lists_every_intact_rank(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    """A multi-rank checkpoint whose ranks were saved on this node: each
+    intact rank's T0 directory, so every rank can restore locally."""
+    async with running_agent(catalog_url, tmp_path) as agent:
+        ranks = {
+            rank: write_checkpoint(agent.ssd / "r" / "s2" / f"rank-{rank}", {"w.bin": 100 + rank})
+            for rank in range(3)
+        }
+        for rank, path in ranks.items():
+            answer = await agent.register("r", 2, path, rank=rank, world_size=3)
+            assert answer.status_code == 202
+        await agent.wait_state("r", 2)
+        node = agent.settings.server.node
+
+        here = (await agent.http.get(f"/v1/runs/r/latest?node={node}")).json()
+        assert here["local"] == {
+            "node": node,
+            "path": str(ranks[0]),
+            "ranks": {str(rank): str(path) for rank, path in ranks.items()},
+        }
+        # Rank 0's copy changed behind the agent: the others still restore locally.
+        (ranks[0] / "w.bin").write_bytes(b"x" * 100)
+        partly = (await agent.http.get(f"/v1/runs/r/latest?node={node}")).json()
+        assert partly["local"] == {
+            "node": node,
+            "path": None,
+            "ranks": {"1": str(ranks[1]), "2": str(ranks[2])},
+        }
 
 
 def _plan(database: Path, statement: Any) -> str:

@@ -122,7 +122,6 @@ async def test_t0_copies_are_evicted_only_when_durable_and_beyond_keep_last(
             await agent.wait_state("r", step)
         # Evicted as the checkpoints became durable (retain jobs), not by a sweep.
         await wait_until(lambda: not dirs[1].exists() and not dirs[2].exists())
-        assert await evict_local_copies(agent.resources) == 0
         assert (dirs[3] / "a" / "w.bin").exists() and (dirs[4] / "b").exists()
         assert (agent.ssd / "run").is_dir()  # never above the shard's own directory
         detail = (await agent.http.get("/v1/runs/r/latest", params={"node": "node-test"})).json()

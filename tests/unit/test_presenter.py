@@ -149,7 +149,7 @@ def test_the_detail_view_lists_the_jobs() -> None:
 
 
 def test_latest_document_is_a_latest_out_with_the_committed_locations() -> None:
-    local = {"node": "n0", "path": "/ssd/0"}
+    local = {"node": "n0", "path": "/ssd/0", "ranks": {"0": "/ssd/0"}}
     document = latest_document("r", _checkpoint(world_size=1), _listing(), local)
     _round_trip(LatestOut, document)
     assert document["locations"] == [{"region": "east", "uri": "/east/r/200/"}]

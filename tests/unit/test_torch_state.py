@@ -313,7 +313,12 @@ class FakeClient:
             return None
         step = max(self.registered)
         path = self.registered[step]["path"]
-        local = {"node": node, "path": path} if node == self.node and Path(path).exists() else None
+        rank = self.registered[step].get("rank", 0)
+        local = (
+            {"node": node, "path": path if rank == 0 else None, "ranks": {rank: path}}
+            if node == self.node and Path(path).exists()
+            else None
+        )
         return self._checkpoint(step, local=local, locations=[{"region": "east"}])
 
     def restore(self, run: str, dest: Any, step: int, region: Any = None, rank: Any = None) -> Path:
@@ -380,6 +385,42 @@ def test_checkpointer_saves_resumes_locally_then_from_the_region(tmp_path: Path)
     assert kept.step == 6
     assert (tmp_path / "ssd" / "r" / "step-6" / MODEL_FILE).stat().st_mtime_ns == before
     assert len([c for c in client.calls if c[0] == "register"]) == 2
+
+
+def test_a_rank_of_many_restores_its_own_local_copy(tmp_path: Path) -> None:
+    """world_size 2: rank 1 saved on this node resumes from its T0 directory."""
+    client = FakeClient(tmp_path / "region")
+    (tmp_path / "region").mkdir()
+    first = Trainer()
+    saver = TorchCheckpointer(
+        client,  # type: ignore[arg-type]
+        "r",
+        tmp_path / "ssd",
+        model=first.model,
+        optimizer=first.opt,
+        rank=1,
+        world_size=2,
+        node="here",
+    )
+    first.train(3)
+    saver.save(3)
+    assert client.registered[3]["path"].endswith("step-3/rank-00001")
+
+    again = Trainer(seed=5)
+    loader = TorchCheckpointer(
+        client,  # type: ignore[arg-type]
+        "r",
+        tmp_path / "ssd",
+        model=again.model,
+        optimizer=again.opt,
+        rank=1,
+        world_size=2,
+        node="here",
+    )
+    assert loader.restore_latest() == 3
+    assert loader.restored is not None and loader.restored.source == "local"
+    assert params(again.model) == params(first.model)
+    assert ("restore", 3) not in client.calls
 
 
 def test_checkpointer_cleans_leftovers_and_replaces_unregistered_dirs(tmp_path: Path) -> None:
