@@ -20,6 +20,7 @@ from . import (
     catalog_latest,
     cpu,
     dedup,
+    large_files,
     memory,
     register_latency,
     registration_rate,
@@ -33,12 +34,14 @@ SCENARIOS: list[ModuleType] = [
     upload,
     cpu,
     restore,
+    large_files,
     register_latency,
     two_regions,
     registration_rate,
     trainer_stall,
     catalog_latest,
     dedup,
+    large_files,
     memory,
 ]
 

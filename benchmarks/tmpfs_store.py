@@ -1,0 +1,57 @@
+"""An S3 server whose data lives on a tmpfs, for scenarios that time uploads
+as users see them: a remote store does not share the agent's disk, and one
+on the agent's disk makes every upload pay twice for the same device.
+
+``/dev/shm`` when it is writable, else the work directory (said in the
+result). Memory is what the data occupies, so a scenario frees what it wrote
+between repetitions (``empty``): objects deleted, then the volumes vacuumed,
+which is what gives SeaweedFS's space back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from devsupport.seaweed import SeaweedServer, boto3_client
+
+from .context import VOLUME_SIZE_LIMIT_MB
+
+
+@contextlib.contextmanager
+def tmpfs_seaweed(work: Path, buckets: tuple[str, ...]) -> Iterator[tuple[SeaweedServer, str]]:
+    """A running SeaweedFS on a tmpfs with ``buckets``, and the directory it is under."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else work
+    data = Path(tempfile.mkdtemp(prefix="tierckpt-bench-s3-", dir=base))
+    server = SeaweedServer(data, volume_size_limit_mb=VOLUME_SIZE_LIMIT_MB)
+    try:
+        server.start()
+        for bucket in buckets:
+            server.create_bucket(bucket)
+        yield server, str(base)
+    finally:
+        server.stop()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def empty(server: SeaweedServer, bucket: str, prefix: str = "") -> int:
+    """Delete every object under ``prefix`` and vacuum the volumes; the bytes deleted."""
+    client: Any = boto3_client(server.endpoint_url)
+    freed = 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+        freed += sum(item["Size"] for item in page.get("Contents", []))
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    master = f"http://{server.host}:{server.ports['master']}"
+    # A deleted needle keeps its bytes until its volume is compacted.
+    httpx.get(f"{master}/vol/vacuum", params={"garbageThreshold": "0.0001"}, timeout=120)
+    return freed
