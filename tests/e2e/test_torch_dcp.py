@@ -54,6 +54,21 @@ def launch(*args: str, log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+def uninterrupted(tmp_path: Path, steps: int) -> list[dict[str, Any]]:
+    """The same job run straight through without tierckpt (the weights go to
+    ``tmp_path/ref<steps>.st``): what a resumed job must end with."""
+    return launch(
+        "--root",
+        str(tmp_path / "unused"),
+        "--steps",
+        str(steps),
+        "--no-register",
+        "--final-out",
+        str(tmp_path / f"ref{steps}.st"),
+        log=tmp_path / "ref.log",
+    )
+
+
 def test_two_rank_dcp_checkpoint_registers_restores_and_resumes(
     start_agent: AgentFactory,  # noqa: F811
     tmp_path: Path,
@@ -104,16 +119,7 @@ def test_two_rank_dcp_checkpoint_registers_restores_and_resumes(
     )
     assert events[0] == {"event": "resumed", "step": 12, "source": "local"}
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [16]
-    reference = launch(
-        "--root",
-        str(tmp_path / "unused"),
-        "--steps",
-        "16",
-        "--no-register",
-        "--final-out",
-        str(tmp_path / "ref16.st"),
-        log=tmp_path / "ref.log",
-    )
+    reference = uninterrupted(tmp_path, 16)
     assert events[-1]["sha256"] == reference[-1]["sha256"]
     ours, theirs = load_file(str(tmp_path / "w16.st")), load_file(str(tmp_path / "ref16.st"))
     assert sorted(ours) == sorted(theirs)
@@ -160,16 +166,7 @@ def test_asynchronous_dcp_saves_register_once_written_and_resume_exactly(
         *job, "--steps", "16", "--final-out", str(tmp_path / "w16.st"), log=tmp_path / "b.log"
     )
     assert events[0] == {"event": "resumed", "step": 12, "source": "region"}
-    reference = launch(
-        "--root",
-        str(tmp_path / "unused"),
-        "--steps",
-        "16",
-        "--no-register",
-        "--final-out",
-        str(tmp_path / "ref16.st"),
-        log=tmp_path / "ref.log",
-    )
+    reference = uninterrupted(tmp_path, 16)
     assert events[-1]["sha256"] == reference[-1]["sha256"]
     settled = {c["step"]: c["state"] for c in settle(agent.url, RUN)}
     assert settled[16] == "durable"
