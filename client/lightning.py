@@ -273,6 +273,12 @@ class TierckptCheckpointIO(CheckpointIO):
         if map_location is not None:
             kwargs["map_location"] = map_location
         if step is _PLAIN:
+            text = os.fspath(path)
+            if "://" not in text and not os.path.exists(text):
+                raise FileNotFoundError(
+                    f"checkpoint file not found: {text}; to resume from tierckpt, pass "
+                    "ckpt_path='tierckpt:latest' or 'tierckpt:<step>'"
+                )
             loaded = self._torch_io.load_checkpoint(path, **kwargs)
             self.restored = Loaded(step=None, source="file", path=os.fspath(path))
             return loaded

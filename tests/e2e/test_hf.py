@@ -1,0 +1,170 @@
+"""Hugging Face Trainer through tierckpt (tierckpt.client.hf), end to end: a
+real agent and SeaweedFS, a tiny GPT-2 built from a config (never
+downloaded) trained by a real `Trainer` in this process.
+
+- TierckptCallback registers every checkpoint-N once the Trainer wrote it;
+  all become durable although `save_total_limit=1` rotates the Trainer's
+  directories away right after they are written.
+- latest_checkpoint brings the latest valid checkpoint to dest/checkpoint-N
+  (verified, from this node's copy or from the region), a Trainer resumed
+  from it ends bit-identical to an uninterrupted run, and an incomplete
+  checkpoint directory left by a crash is never returned.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.framework_support import NODE, RunningAgent, framework_agent, settle
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+from tierckpt.client.hf import TierckptCallback, latest_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+__all__ = ["framework_agent"]
+
+STEPS = 6
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[misc]
+    """64 fixed sequences of 16 tokens (the Trainer shuffles them, seeded)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        tokens = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": tokens, "labels": tokens}
+
+
+class CrashAfterSave(TrainerCallback):  # type: ignore[misc]
+    """The job dies right after the Trainer saved (and tierckpt registered) ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def make_trainer(output_dir: Path, callbacks: list[Any], seed: int = 0) -> Trainer:
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=STEPS,
+        save_steps=2,
+        save_total_limit=1,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    return Trainer(
+        model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(), callbacks=callbacks
+    )
+
+
+def weights(trainer: Trainer) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_each_checkpoint_is_registered_and_durable_despite_rotation(
+    framework_agent: RunningAgent,
+) -> None:
+    agent = framework_agent
+    output = agent.ssd / "hf" / "full"
+    callback = TierckptCallback(agent.client, "full")
+    make_trainer(output, [callback]).train()
+
+    assert [c.step for c in callback.registered] == [2, 4, 6]
+    # The Trainer rotated 2 and 4 away as soon as it had written 4 and 6 …
+    assert sorted(p.name for p in output.glob("checkpoint-*")) == ["checkpoint-6"]
+    # … yet every registered copy was uploaded whole.
+    assert settle(agent.url, "full") == {2: "durable", 4: "durable", 6: "durable"}
+    detail = agent.client.get("full", 4)
+    names = {f.path for f in detail.files}
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= names
+    assert detail.metadata["framework"] == "transformers"
+    assert "loss" in detail.metrics
+    # The registered copy is tierckpt's own directory, not the Trainer's.
+    assert detail.shards[0].path == str(output / ".tierckpt" / "full" / "checkpoint-4")
+
+
+def test_resume_from_latest_checkpoint_matches_an_uninterrupted_run(
+    framework_agent: RunningAgent, tmp_path: Path
+) -> None:
+    agent = framework_agent
+    uninterrupted = make_trainer(agent.ssd / "hf" / "full", [])
+    uninterrupted.train()
+    expected = weights(uninterrupted)
+
+    assert latest_checkpoint(agent.client, "part", tmp_path / "nothing") is None  # fresh start
+
+    output = agent.ssd / "hf" / "part"
+    crashing = make_trainer(output, [TierckptCallback(agent.client, "part"), CrashAfterSave(4)])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashing.train()
+    assert settle(agent.url, "part") == {2: "durable", 4: "durable"}
+
+    # What a crash in the middle of the next save leaves: a checkpoint-6
+    # without its optimizer or trainer state. The Trainer's own lookup takes it.
+    dest = agent.ssd / "hf" / "part-restarted"
+    partial = dest / "checkpoint-6"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"\0" * 100)
+    assert get_last_checkpoint(str(dest)) == str(partial)
+
+    # On another node (nothing local): downloaded from the region, verified.
+    elsewhere = latest_checkpoint(agent.client, "part", dest, node="another-node")
+    assert elsewhere == str(dest / "checkpoint-4")
+    registered = {f.path: f.size for f in agent.client.get("part", 4).files}
+    assert {
+        p.relative_to(elsewhere).as_posix(): p.stat().st_size
+        for p in Path(elsewhere).rglob("*")
+        if p.is_file()
+    } == registered
+
+    # On this node: linked from the registered copy. A damaged checkpoint-4
+    # already at the destination is moved aside, never returned.
+    local_dest = agent.ssd / "hf" / "part-local"
+    shutil.copytree(output / ".tierckpt" / "part" / "checkpoint-4", local_dest / "checkpoint-4")
+    with open(local_dest / "checkpoint-4" / "optimizer.pt", "r+b") as handle:
+        handle.write(b"garbage")
+    here = latest_checkpoint(agent.client, "part", local_dest, node=NODE)
+    assert here == str(local_dest / "checkpoint-4")
+    assert len(list(local_dest.glob(".tierckpt-stale-checkpoint-4-*"))) == 1
+    assert os.path.samefile(
+        Path(here) / "model.safetensors",
+        output / ".tierckpt" / "part" / "checkpoint-4" / "model.safetensors",
+    )
+
+    # Resumed from the region's copy, with a differently initialised model.
+    resumed = make_trainer(dest, [TierckptCallback(agent.client, "part")], seed=99)
+    resumed.train(resume_from_checkpoint=elsewhere)
+    assert same(weights(resumed), expected)
+    assert settle(agent.url, "part") == {2: "durable", 4: "durable", 6: "durable"}
