@@ -128,6 +128,8 @@ class TierckptCheckpointIO(CheckpointIO):
         self.restored: Loaded | None = None
         self._torch_io = TorchCheckpointIO()
         self._warned_link = False
+        # Lineage: the step loaded or saved last is the parent of the next save.
+        self._parent: int | None = None
         self._clean_leftovers()
 
     @property
@@ -174,6 +176,7 @@ class TierckptCheckpointIO(CheckpointIO):
                 self.run,
                 step,
                 stored.parent,
+                parent=self._parent if self._parent != step else None,
                 priority=self.priority,
                 epoch=epoch if isinstance(epoch, int) else None,
                 metadata=metadata,
@@ -183,6 +186,7 @@ class TierckptCheckpointIO(CheckpointIO):
             # Registered before with other bytes (a replayed, nondeterministic
             # step): the registered one stays, as steps are immutable.
             log.warning("%s step %d not registered again: %s", self.run, step, exc.message)
+        self._parent = step
         if self.link and requested != stored:
             self._link(stored, requested)
 
@@ -292,6 +296,7 @@ class TierckptCheckpointIO(CheckpointIO):
                 log.warning("local copy %s unusable (%s); restoring from a region", file, exc)
             else:
                 self.restored = Loaded(step=checkpoint.step, source="local", path=str(file))
+                self._parent = checkpoint.step
                 return loaded
         self.run_dir.mkdir(parents=True, exist_ok=True)
         scratch = Path(
@@ -304,6 +309,7 @@ class TierckptCheckpointIO(CheckpointIO):
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         self.restored = Loaded(step=checkpoint.step, source="region", path=str(file))
+        self._parent = checkpoint.step
         return loaded
 
     def _step_of(self, path: Any) -> Any:

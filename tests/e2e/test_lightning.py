@@ -130,6 +130,8 @@ def test_resume_through_tierckpt_matches_an_uninterrupted_run(
     )
     assert plugin.restored is not None
     assert (plugin.restored.step, plugin.restored.source) == (4, "local")
+    parents = {s: agent.client.get("part", s).parent for s in (4, 6, 8)}
+    assert {s: p.step if p else None for s, p in parents.items()} == {4: 2, 6: 4, 8: 6}
     assert same_tensors(weights(model), full_weights)
     assert same_tensors(trainer.optimizers[0].state_dict(), full_optimizer)
 
