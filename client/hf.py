@@ -99,6 +99,19 @@ class TierckptCallback(TrainerCallback):
         self.priority = priority
         self.metadata = dict(metadata or {})
         self.registered: list[Checkpoint] = []
+        # Lineage: the step training resumed from, then the last one registered.
+        self._parent: int | None = None
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        # A resumed Trainer has loaded trainer_state.json by now: global_step
+        # is the checkpoint it resumed from (0 on a fresh start).
+        self._parent = state.global_step or None
 
     def run_dir(self, args: TrainingArguments) -> Path:
         root = self.root or _output_dir(args) / OWN_DIR
@@ -132,6 +145,7 @@ class TierckptCallback(TrainerCallback):
                 self.run,
                 step,
                 target,
+                parent=self._parent if self._parent != step else None,
                 priority=self.priority,
                 metrics=_metrics_of(state),
                 metadata=metadata,
@@ -140,6 +154,7 @@ class TierckptCallback(TrainerCallback):
         except ConflictError as exc:
             log.warning("%s step %d not registered again: %s", self.run, step, exc.message)
             return
+        self._parent = step
         self.registered.append(checkpoint)
 
     def _own_copy(self, source: Path, run_dir: Path, step: int) -> Path | None:

@@ -168,3 +168,5 @@ def test_resume_from_latest_checkpoint_matches_an_uninterrupted_run(
     resumed.train(resume_from_checkpoint=elsewhere)
     assert same(weights(resumed), expected)
     assert settle(agent.url, "part") == {2: "durable", 4: "durable", 6: "durable"}
+    parents = {s: agent.client.get("part", s).parent for s in (2, 4, 6)}
+    assert {s: p.step if p else None for s, p in parents.items()} == {2: None, 4: 2, 6: 4}
