@@ -60,7 +60,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from ._files import fsync_dir
 from ._frameworks import default_node, link_or_copy, matches_catalog, place_verified
-from .errors import ConflictError, NotFoundError
+from .errors import ConflictError, NotFoundError, TierckptError
 from .models import Checkpoint
 from .sync_client import CheckpointClient
 
@@ -222,8 +222,18 @@ def latest_checkpoint(
             latest.step,
             aside,
         )
-        os.rename(target, aside)
-    path, source = place_verified(client, latest, target, node=node)
+        try:
+            os.rename(target, aside)
+        except FileNotFoundError:
+            pass  # another process of this job moved it first
+    try:
+        path, source = place_verified(client, latest, target, node=node)
+    except (OSError, TierckptError):
+        # Every process of a job may ask at once: one of them renamed its
+        # verified copy into place first, which is as good as ours.
+        if target.is_dir() and matches_catalog(target, latest):
+            return str(target)
+        raise
     log.info("%s:%d restored to %s from %s", run, latest.step, path, source)
     return str(path)
 

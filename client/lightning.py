@@ -196,6 +196,11 @@ class TierckptCheckpointIO(CheckpointIO):
         existing = _single_file(target)
         if existing is not None:
             return existing
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise FileExistsError(
+                f"{target} exists but is not one checkpoint file written by "
+                f"{type(self).__name__}; move it out of {self.run_dir}"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}step-{step}-", dir=self.run_dir))
         try:

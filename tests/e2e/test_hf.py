@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
+from tierckpt.client import CheckpointClient  # noqa: E402
 from tierckpt.client.hf import TierckptCallback, latest_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -83,6 +85,11 @@ def make_trainer(output_dir: Path, callbacks: list[Any], seed: int = 0) -> Train
     return Trainer(
         model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(), callbacks=callbacks
     )
+
+
+def ask(url: str, run: str, dest: Path) -> str | None:
+    with CheckpointClient(url) as client:
+        return latest_checkpoint(client, run, dest, node="another-node")
 
 
 def weights(trainer: Trainer) -> dict[str, Any]:
@@ -162,6 +169,14 @@ def test_resume_from_latest_checkpoint_matches_an_uninterrupted_run(
         Path(here) / "model.safetensors",
         output / ".tierckpt" / "part" / "checkpoint-4" / "model.safetensors",
     )
+
+    # Every process of a job may ask at once, into one destination: each
+    # gets the same verified directory.
+    shared = agent.ssd / "hf" / "part-shared"
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: ask(agent.url, "part", shared), range(3)))
+    assert answers == [str(shared / "checkpoint-4")] * 3
+    assert [p.name for p in shared.iterdir()] == ["checkpoint-4"]  # no staging left
 
     # Resumed from the region's copy, with a differently initialised model.
     resumed = make_trainer(dest, [TierckptCallback(agent.client, "part")], seed=99)

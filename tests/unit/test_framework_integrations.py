@@ -110,6 +110,14 @@ class TestLightning:
         plugin.remove_checkpoint(lightnings)
         assert registered.read_bytes() == b"registered" and not lightnings.exists()
 
+        # A step directory that is not one checkpoint file is refused by name.
+        stranger = plugin.step_dir(5)
+        stranger.mkdir()
+        (stranger / "a").write_bytes(b"a")
+        (stranger / "b").write_bytes(b"b")
+        with pytest.raises(FileExistsError, match="not one checkpoint file"):
+            plugin.save_checkpoint({"global_step": 5}, tmp_path / "x.ckpt")
+
         staging = plugin.run_dir / ".tierckpt-staging-step-6-abc"
         staging.mkdir()
         (staging / "half.ckpt").write_bytes(b"half")
