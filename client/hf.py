@@ -79,7 +79,8 @@ class TierckptCallback(TrainerCallback):
     ``root`` (default ``<output_dir>/.tierckpt``) must be on the same
     filesystem as ``output_dir`` for hard links, and both under the agent's
     ``[local].roots``. The latest logged numbers of the step (loss, eval
-    metrics) are registered as the checkpoint's metrics.
+    metrics) are registered as the checkpoint's metrics, the time the
+    ``Trainer`` spent saving as its ``write_seconds``.
     """
 
     def __init__(
@@ -101,6 +102,26 @@ class TierckptCallback(TrainerCallback):
         self.registered: list[Checkpoint] = []
         # Lineage: the step training resumed from, then the last one registered.
         self._parent: int | None = None
+        self._mark: float | None = None
+
+    # The Trainer's save runs between its last callback of the step (on_step_end,
+    # then on_log / on_evaluate when it logs or evaluates) and on_save: that
+    # interval, plus the linking, is what the checkpoint cost the trainer
+    # (registered as write_seconds, which `tierckpt advise` uses).
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._mark = time.monotonic()
+
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._mark = time.monotonic()
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._mark = time.monotonic()
 
     def on_train_begin(
         self,
@@ -133,7 +154,7 @@ class TierckptCallback(TrainerCallback):
                 f"{source} has no {TRAINER_STATE} after on_save: the Trainer did not finish "
                 "writing it; not registering an incomplete checkpoint"
             )
-        began = time.monotonic()
+        began = self._mark if self._mark is not None else time.monotonic()
         target = self._own_copy(source, self.run_dir(args), step)
         if target is None:
             return

@@ -118,6 +118,7 @@ def test_each_checkpoint_is_registered_and_durable_despite_rotation(
     assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= names
     assert detail.metadata["framework"] == "transformers"
     assert "loss" in detail.metrics
+    assert detail.write_seconds is not None and detail.write_seconds > 0  # the Trainer's save
     # The registered copy is tierckpt's own directory, not the Trainer's.
     assert detail.shards[0].path == str(output / ".tierckpt" / "full" / "checkpoint-4")
 
