@@ -13,6 +13,7 @@ downloaded) trained by a real `Trainer` in this process.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -27,15 +28,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from transformers import (  # noqa: E402
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
+from examples.hf_train import main, make_trainer  # noqa: E402
 from tierckpt.client import CheckpointClient  # noqa: E402
 from tierckpt.client.hf import TierckptCallback, latest_checkpoint  # noqa: E402
 
@@ -43,17 +39,6 @@ pytestmark = pytest.mark.e2e
 __all__ = ["framework_agent"]
 
 STEPS = 6
-
-
-class Tokens(torch.utils.data.Dataset):  # type: ignore[misc]
-    """64 fixed sequences of 16 tokens (the Trainer shuffles them, seeded)."""
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        tokens = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(index))
-        return {"input_ids": tokens, "labels": tokens}
 
 
 class CrashAfterSave(TrainerCallback):  # type: ignore[misc]
@@ -65,26 +50,6 @@ class CrashAfterSave(TrainerCallback):  # type: ignore[misc]
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == self.step:
             raise RuntimeError("simulated crash")
-
-
-def make_trainer(output_dir: Path, callbacks: list[Any], seed: int = 0) -> Trainer:
-    torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=STEPS,
-        save_steps=2,
-        save_total_limit=1,
-        per_device_train_batch_size=4,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-    )
-    return Trainer(
-        model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(), callbacks=callbacks
-    )
 
 
 def ask(url: str, run: str, dest: Path) -> str | None:
@@ -186,3 +151,20 @@ def test_resume_from_latest_checkpoint_matches_an_uninterrupted_run(
     assert settle(agent.url, "part") == {2: "durable", 4: "durable", 6: "durable"}
     parents = {s: agent.client.get("part", s).parent for s in (2, 4, 6)}
     assert {s: p.step if p else None for s, p in parents.items()} == {2: None, 4: 2, 6: 4}
+
+
+def test_the_example_starts_fresh_then_resumes(
+    framework_agent: RunningAgent, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent = framework_agent
+    common = ["--server", agent.url, "--run", "example", "--node", NODE]
+    common += ["--output-dir", str(agent.ssd / "hf" / "example")]
+    main([*common, "--steps", "4"])
+    settle(agent.url, "example")
+    main([*common, "--steps", "6"])
+    out = capsys.readouterr().out.splitlines()  # the Trainer prints its logs there too
+    done = [json.loads(line) for line in out if line.startswith('{"event"')]
+    assert done == [
+        {"event": "done", "step": 4, "resumed_from": None},
+        {"event": "done", "step": 6, "resumed_from": 4},
+    ]

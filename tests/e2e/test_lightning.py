@@ -16,6 +16,7 @@ child SIGKILLed mid-save).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -31,7 +32,8 @@ from tests.e2e.framework_support import NODE, RunningAgent, framework_agent, set
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning")
 
-from tests.e2e.lightning_app import WRITING, Tiny, make_trainer  # noqa: E402
+from examples.lightning_train import Tiny, main, make_trainer  # noqa: E402
+from tests.e2e.lightning_app import WRITING  # noqa: E402
 from tierckpt.client import NotFoundError  # noqa: E402
 from tierckpt.client.lightning import TierckptCheckpointIO  # noqa: E402
 
@@ -220,3 +222,19 @@ def test_a_save_killed_halfway_is_never_picked(
     assert not leftovers[0].exists()  # cleaned when the plugin started
     assert same_tensors(weights(model), full_weights)
     assert settle(agent.url, "killed") == {step: "durable" for step in (2, 4, 6, 8)}
+
+
+def test_the_example_starts_fresh_then_resumes(
+    framework_agent: RunningAgent, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent = framework_agent
+    common = ["--server", agent.url, "--run", "example", "--root", str(agent.ssd / "ex")]
+    common += ["--workdir", str(tmp_path / "ex"), "--node", NODE]
+    main([*common, "--epochs", "2"])
+    settle(agent.url, "example")
+    main([*common, "--epochs", "3"])
+    done = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert done == [
+        {"event": "done", "step": 4, "resumed_from": None, "source": None},
+        {"event": "done", "step": 6, "resumed_from": 4, "source": "local"},
+    ]
