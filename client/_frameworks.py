@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -27,7 +28,48 @@ from .sync_client import CheckpointClient
 log = logging.getLogger("tierckpt.client.frameworks")
 
 VALID_STATES = frozenset({"durable", "replicated"})
+STAGING_PREFIX = ".tierckpt-staging-"
 RESTORE_PREFIX = ".tierckpt-restore-"
+_OWNER = re.compile(r"-pid(\d+)-")
+
+
+def scratch_dir(prefix: str, directory: Path) -> Path:
+    """A new hidden directory in ``directory`` whose name carries this
+    process's id, so that :func:`remove_leftovers` leaves it alone while the
+    process lives (the ranks of a job start at different times, and one
+    rank's start must not remove another's save or restore in progress)."""
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}pid{os.getpid()}-", dir=directory))
+
+
+def remove_leftovers(directory: Path, prefixes: tuple[str, ...]) -> int:
+    """Remove the scratch directories (:func:`scratch_dir`) in ``directory``
+    of processes that are gone: saves or restores killed midway, never
+    registered, never complete. ``directory`` is node-local, so a process id
+    names a process of this node. Returns how many went."""
+    removed = 0
+    if not directory.is_dir():
+        return 0
+    for entry in directory.iterdir():
+        if not entry.name.startswith(prefixes) or not entry.is_dir():
+            continue
+        owner = _OWNER.search(entry.name)
+        if owner is not None and _alive(int(owner.group(1))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
 
 
 def default_node() -> str:
@@ -121,7 +163,7 @@ def place_verified(
     dest.parent.mkdir(parents=True, exist_ok=True)
     source = local_copy(checkpoint, node) if link_from_local else None
     if source is not None:
-        staging = Path(tempfile.mkdtemp(prefix=f"{RESTORE_PREFIX}{dest.name}-", dir=dest.parent))
+        staging = scratch_dir(f"{RESTORE_PREFIX}{dest.name}-", dest.parent)
         try:
             for entry in checkpoint.files:
                 target = staging / entry.path

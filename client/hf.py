@@ -50,7 +50,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -59,7 +58,16 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ._files import fsync_dir
-from ._frameworks import default_node, link_or_copy, matches_catalog, place_verified
+from ._frameworks import (
+    RESTORE_PREFIX,
+    STAGING_PREFIX,
+    default_node,
+    link_or_copy,
+    matches_catalog,
+    place_verified,
+    remove_leftovers,
+    scratch_dir,
+)
 from .errors import ConflictError, NotFoundError, TierckptError
 from .models import Checkpoint
 from .sync_client import CheckpointClient
@@ -69,7 +77,6 @@ log = logging.getLogger("tierckpt.client.hf")
 PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"  # the Trainer writes it last
 OWN_DIR = ".tierckpt"
-STAGING_PREFIX = ".tierckpt-staging-"
 STALE_PREFIX = ".tierckpt-stale-"
 
 
@@ -133,6 +140,9 @@ class TierckptCallback(TrainerCallback):
         # A resumed Trainer has loaded trainer_state.json by now: global_step
         # is the checkpoint it resumed from (0 on a fresh start).
         self._parent = state.global_step or None
+        if state.is_world_process_zero:
+            # Links of a save killed midway (never registered).
+            remove_leftovers(self.run_dir(args), (STAGING_PREFIX,))
 
     def run_dir(self, args: TrainingArguments) -> Path:
         root = self.root or _output_dir(args) / OWN_DIR
@@ -199,7 +209,7 @@ class TierckptCallback(TrainerCallback):
                 return None
             shutil.rmtree(target)
         run_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{target.name}-", dir=run_dir))
+        staging = scratch_dir(f"{STAGING_PREFIX}{target.name}-", run_dir)
         try:
             for path in sorted(source.rglob("*")):
                 if path.is_file():
@@ -232,6 +242,7 @@ def latest_checkpoint(
         raise ValueError(f"{run}:{latest.step} has {latest.world_size} ranks; expected one")
     dest_dir = Path(os.path.abspath(dest))
     target = dest_dir / f"{PREFIX}{latest.step}"
+    remove_leftovers(dest_dir, (RESTORE_PREFIX,))  # restores killed midway
     if target.exists():
         if target.is_dir() and matches_catalog(target, latest):
             return str(target)

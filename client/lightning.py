@@ -63,7 +63,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -74,14 +73,21 @@ import torch
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 from ._files import fsync_dir, fsync_file
-from ._frameworks import RESTORE_PREFIX, default_node, local_copy, resolve_step
+from ._frameworks import (
+    RESTORE_PREFIX,
+    STAGING_PREFIX,
+    default_node,
+    local_copy,
+    remove_leftovers,
+    resolve_step,
+    scratch_dir,
+)
 from .errors import ConflictError
 from .sync_client import CheckpointClient
 
 log = logging.getLogger("tierckpt.client.lightning")
 
 SCHEME = "tierckpt:"
-STAGING_PREFIX = ".tierckpt-staging-"
 LINK_INFIX = ".tierckpt-link-"
 
 
@@ -140,13 +146,9 @@ class TierckptCheckpointIO(CheckpointIO):
         return self.run_dir / f"step-{step}"
 
     def _clean_leftovers(self) -> None:
-        # A save or a load killed in an earlier life of this run: hidden,
+        # Saves and loads killed in an earlier life of this run: hidden,
         # never registered, never complete.
-        if not self.run_dir.is_dir():
-            return
-        for pattern in (f"{STAGING_PREFIX}*", f"{RESTORE_PREFIX}*"):
-            for entry in self.run_dir.glob(pattern):
-                shutil.rmtree(entry, ignore_errors=True)
+        remove_leftovers(self.run_dir, (STAGING_PREFIX, RESTORE_PREFIX))
 
     # -- save -------------------------------------------------------------------------
 
@@ -202,7 +204,7 @@ class TierckptCheckpointIO(CheckpointIO):
                 f"{type(self).__name__}; move it out of {self.run_dir}"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}step-{step}-", dir=self.run_dir))
+        staging = scratch_dir(f"{STAGING_PREFIX}step-{step}-", self.run_dir)
         try:
             self._dump(checkpoint, staging / name)
             if self.fsync:
@@ -304,9 +306,7 @@ class TierckptCheckpointIO(CheckpointIO):
                 self._parent = checkpoint.step
                 return loaded
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        scratch = Path(
-            tempfile.mkdtemp(prefix=f"{RESTORE_PREFIX}{checkpoint.step}-", dir=self.run_dir)
-        )
+        scratch = scratch_dir(f"{RESTORE_PREFIX}{checkpoint.step}-", self.run_dir)
         try:
             restored = self.client.restore(self.run, scratch / "ckpt", step=checkpoint.step)
             file = restored / _file_name(checkpoint)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tierckpt.client import Checkpoint, CheckpointClient
-from tierckpt.client._frameworks import matches_catalog
+from tierckpt.client._frameworks import matches_catalog, remove_leftovers, scratch_dir
 
 NOWHERE = "http://127.0.0.1:9"
 
@@ -59,6 +59,23 @@ def test_a_local_copy_matches_only_with_every_size_and_hash(tmp_path: Path) -> N
     (tmp_path / "sub" / "b.bin").unlink()
     assert not matches_catalog(tmp_path, checkpoint, hash_files=False)
     assert not matches_catalog(tmp_path, _checkpoint({}))
+
+
+def test_leftovers_of_live_processes_stay(tmp_path: Path) -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead = tmp_path / f".tierckpt-staging-step-4-pid{gone.stdout.strip()}-x"
+    unnamed = tmp_path / ".tierckpt-restore-3-y"  # no owner in the name: an old leftover
+    mine = scratch_dir(".tierckpt-staging-step-6-", tmp_path)  # this process: in progress
+    other = tmp_path / "step-2"
+    for directory in (dead, unnamed, other):
+        directory.mkdir()
+    assert remove_leftovers(tmp_path, (".tierckpt-staging-", ".tierckpt-restore-")) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, "step-2"])
 
 
 class TestLightning:
