@@ -53,6 +53,10 @@ hidden scratch directory that is removed once loaded. Any other path is
 loaded as Lightning's ``TorchCheckpointIO`` would load it. ``io.restored``
 says what the last load used.
 
+A ``dirpath`` on remote storage (``s3://…``) gets no link (the regions are
+the remote copy): resume through tierckpt. The plugin is for the ``lightning``
+package (``lightning.pytorch``), the one ``pip install lightning`` provides.
+
 Lightning saves through ``CheckpointIO`` on global rank 0 only: this covers
 single-device and DDP training. Sharded strategies (FSDP, DeepSpeed) write
 their own per-rank files; use ``tierckpt.client.torch.save_distributed``.
@@ -165,13 +169,18 @@ class TierckptCheckpointIO(CheckpointIO):
                 f"checkpoint has no usable 'global_step' ({step!r}); tierckpt keys "
                 "Lightning checkpoints by it"
             )
-        requested = Path(os.path.abspath(os.fspath(path)))
-        if not requested.name:
+        text = os.fspath(path)
+        # A remote dirpath (s3://…, through fsspec) gets no link: tierckpt's
+        # regions are the remote copy, and a local path of that name would be junk.
+        remote = "://" in text
+        name = text.rstrip("/").rsplit("/", 1)[-1]
+        if not name:
             raise ValueError(f"checkpoint path {path!r} has no file name")
+        requested = Path(text) if remote else Path(os.path.abspath(text))
         began = time.monotonic()
-        stored = self._write(checkpoint, step, requested.name)
+        stored = self._write(checkpoint, step, name)
         written = time.monotonic() - began
-        metadata = {**self.metadata, "framework": "lightning", "lightning_path": str(requested)}
+        metadata = {**self.metadata, "framework": "lightning", "lightning_path": text}
         epoch = checkpoint.get("epoch")
         try:
             self.client.register(
@@ -189,7 +198,7 @@ class TierckptCheckpointIO(CheckpointIO):
             # step): the registered one stays, as steps are immutable.
             log.warning("%s step %d not registered again: %s", self.run, step, exc.message)
         self._parent = step
-        if self.link and requested != stored:
+        if self.link and not remote and requested != stored:
             self._link(stored, requested)
 
     def _write(self, checkpoint: dict[str, Any], step: int, name: str) -> Path:
@@ -259,7 +268,10 @@ class TierckptCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Drop Lightning's name for a checkpoint; a registered copy (under
         ``root/run``) stays for the agent's retention to evict."""
-        target = Path(os.path.abspath(os.fspath(path)))
+        text = os.fspath(path)
+        if "://" in text:
+            return  # never written there (see save_checkpoint)
+        target = Path(os.path.abspath(text))
         if target.is_relative_to(self.run_dir):
             log.debug("%s kept: tierckpt's retention evicts registered copies", target)
             return

@@ -103,6 +103,20 @@ class TestLightning:
                 plugin.load_checkpoint(wrong)
         assert not (tmp_path / "root").exists()  # nothing was written
 
+    def test_a_remote_lightning_path_gets_no_local_junk(
+        self, plugin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # No agent here: the registration is recorded instead of sent; what
+        # is checked is the write, and that no local link is made.
+        calls: list[Any] = []
+        monkeypatch.setattr(plugin.client, "register", lambda *a, **k: calls.append((a, k)))
+        monkeypatch.chdir(tmp_path)
+        plugin.save_checkpoint({"global_step": 2}, "s3://bucket/ckpts/epoch=0-step=2.ckpt")
+        assert (plugin.step_dir(2) / "epoch=0-step=2.ckpt").is_file()
+        assert not (tmp_path / "s3:").exists()
+        assert calls[0][1]["metadata"]["lightning_path"] == "s3://bucket/ckpts/epoch=0-step=2.ckpt"
+        plugin.remove_checkpoint("s3://bucket/ckpts/epoch=0-step=2.ckpt")
+
     def test_a_plain_file_loads_as_lightning_would(self, plugin: Any, tmp_path: Path) -> None:
         import torch
 
