@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/pip install -q -e '.[dev]'
 	# PyTorch (CPU build) for the trainer helpers, their tests and `make demo`.
 	$(BIN)/pip install -q torch==2.13.0 safetensors numpy
+	# Lightning and Hugging Face for their integrations' tests (CPU; torch stays pinned).
+	$(BIN)/pip install -q torch==2.13.0 lightning transformers accelerate
 	touch $(STAMP)
 
 install: $(STAMP)
