@@ -135,7 +135,8 @@ def local_copy(checkpoint: Checkpoint, node: str) -> Path | None:
     if checkpoint.world_size != 1:
         return None
     if checkpoint.local is not None:
-        return Path(checkpoint.local.path) if checkpoint.local.node == node else None
+        path = checkpoint.local.of_rank(0) if checkpoint.local.node == node else None
+        return Path(path) if path is not None else None
     for shard in checkpoint.shards:
         if shard.rank == 0 and shard.node == node and shard.path:
             directory = Path(shard.path)
