@@ -171,12 +171,15 @@ async def evict_local_copies(resources: Resources, run_id: int | None = None) ->
         query = query.where(Checkpoint.run_id == run_id)
     async with reading(resources.sessionmaker)() as session:
         rows = (await session.execute(query)).all()
-        per_run: dict[int, int] = {}
+        # keep_last counts checkpoints (steps), not shards: the ranks of one
+        # checkpoint saved on this node stay or go together.
+        steps_seen: dict[int, list[int]] = {}
         victims: list[tuple[Shard, list[str]]] = []
-        for shard, run_id, _step, state in rows:
-            rank_in_run = per_run.get(run_id, 0)
-            per_run[run_id] = rank_in_run + 1
-            if rank_in_run < keep:
+        for shard, run_id, step, state in rows:
+            seen = steps_seen.setdefault(run_id, [])
+            if step not in seen:
+                seen.append(step)
+            if len(seen) <= keep:
                 continue
             if state not in (
                 CheckpointState.DURABLE,

@@ -42,7 +42,7 @@ async def test_a_directory_deleted_after_its_upload_is_restored_from_the_region(
         assert (await agent.register("r", 2, ckpt)).status_code == 202
         await agent.wait_state("r", 2)
         here = await agent.http.get("/v1/runs/r/latest", params={"node": node})
-        assert here.json()["local"] == {"node": node, "path": str(ckpt)}
+        assert here.json()["local"] == {"node": node, "path": str(ckpt), "ranks": {"0": str(ckpt)}}
 
         shutil.rmtree(ckpt)
         gone = (await agent.http.get("/v1/runs/r/latest", params={"node": node})).json()
