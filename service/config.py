@@ -214,6 +214,13 @@ class WorkerSettings(BaseModel):
 
     enabled: bool = True
     """Run jobs in this agent; false: it only serves the API."""
+    separate_process: bool = True
+    """`tierckpt serve` runs the worker and the periodic passes (scrub,
+    retention) in a child process of the agent, with its own event loop and
+    GIL: the Python of uploads, replication and verification then never
+    delays a registration or a `latest`. The child dies with the agent.
+    false: everything in one process (one less process, slower answers
+    under upload load)."""
     concurrency: int = Field(4, ge=1, le=64)
     """Jobs run at once."""
     poll_interval: float = Field(0.5, gt=0)

@@ -46,6 +46,24 @@ def open_uploads(s3_client: Any, bucket: str, prefix: str = "e2e/") -> list[str]
     return sorted(u["Key"] for u in answer.get("Uploads", []))
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (the agent's worker process)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def gone(pid: int, timeout: float = 30) -> bool:
+    """True once ``pid`` has exited (or is a zombie nobody reaps yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def wait_for(url: str, predicate: Any, timeout: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
@@ -121,7 +139,12 @@ def test_kill9_mid_upload_loses_nothing(
         while not open_uploads(s3_client, s3_bucket) and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.2)
+        assert agent.proc is not None
+        workers = children(agent.proc.pid)
+        assert len(workers) == 1  # the worker process (worker_process.py)
         agent.kill()
+        # The worker process does not outlive the agent (PR_SET_PDEATHSIG).
+        assert gone(workers[0])
     # Read the catalog as the kill left it: the shard was mid-upload.
     with ServeProcess(config, port, tmp_path / "serve.log", worker=False).start() as frozen:
         before = httpx.get(f"{frozen.url}/v1/runs/gpt/checkpoints/100").json()
