@@ -6,7 +6,9 @@ keeps the agent's event loop and GIL busy most of the time under upload load
 (py-spy: the loop was idle 18 % of the time), and a registration or a
 `latest` waits behind it: p99 30-110 ms against 3-10 ms with the worker off.
 In a child, the worker has a loop and a GIL of its own; the agent's loop
-serves requests and runs the registration writer.
+serves requests and runs the registration writer. The child runs niced
+(``[worker] process_nice``): on a node's few busy cores the agent's requests
+get a CPU first.
 
 Parent side, ``WorkerChild``: plays the in-process worker's part for the agent
 (agent.py): ``start`` returns the task the agent supervises (it ends, with an
@@ -318,6 +320,8 @@ def main(argv: list[str]) -> int:
 
     return_large_buffers_to_os()
     configure_logging(settings.server.log_format)
+    if settings.worker.process_nice:
+        os.nice(settings.worker.process_nice)
     sock.setblocking(False)
     try:
         import uvloop

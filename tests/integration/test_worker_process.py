@@ -55,6 +55,12 @@ async def test_the_worker_process_runs_the_jobs_and_reports_its_metrics(
         assert text.count("# HELP tierckpt_uploaded_bytes_total ") == 1
         assert _value(text, UPLOADED) == _value(before, UPLOADED) + 300_000
         assert (await agent.http.get("/healthz")).json() == {"status": "ok"}
+        # Niced: the agent's requests get a CPU first.
+        assert child.pid is not None
+        nice = agent.settings.worker.process_nice
+        assert nice > 0
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == min(19, own + nice)
     assert not child.alive
     assert agent.process.failures == []
 
