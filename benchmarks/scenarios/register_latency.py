@@ -124,12 +124,17 @@ def _loaded_agent(
         "retention": {"keep_last": 4, "interval_seconds": 2.0},
         "scrub": {"interval_seconds": 2.0, "min_age_hours": 0.0},
         "local": {"keep_last": 2},
-        # The worker in a process of its own (the default), or in the agent's.
-        "worker": {"separate_process": separate},
     }
     if catalog is not None:
         sections["catalog"] = {"url": catalog}
-    return ctx.start_agent(name, worker=worker, regions=[east, west], **sections)
+    return ctx.start_agent(
+        name,
+        worker=worker,
+        regions=[east, west],
+        # The worker in a process of its own (the default), or in the agent's.
+        worker_settings={"separate_process": separate},
+        **sections,
+    )
 
 
 class _Load:
