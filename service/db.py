@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
-from .write_gate import READ_ONLY, gated
+from .write_gate import READ_ONLY, gated, raising_urgent
 
 # PostgreSQL: how long opening a connection, and any one statement of the
 # service, may take before the catalog counts as unreachable (503 to the
@@ -96,19 +96,34 @@ def _begin_eagerly(dbapi_connection: Any) -> None:
     registration finding a 3 ms job transaction in progress would wait 8 ms
     for it. The write gate spares that in one process; across processes the
     registration writer, on a trainer's critical path, polls instead."""
-    deadline = time.monotonic() + LOCK_WAIT
-    tries = 0
-    while True:
-        try:
-            dbapi_connection.execute("BEGIN IMMEDIATE")
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) and "busy" not in str(exc):
-                raise
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(_EAGER_PAUSES[min(tries, len(_EAGER_PAUSES) - 1)])
-        tries += 1
+    try:
+        dbapi_connection.execute("BEGIN IMMEDIATE")
+        return
+    except sqlite3.OperationalError as exc:
+        if "locked" not in str(exc) and "busy" not in str(exc):
+            raise
+    # Taken: the worker process yields to us from its next transaction on
+    # (write_gate.UrgentFlag), so we wait for the one holding it only.
+    flag = raising_urgent()
+    if flag is not None:
+        flag.raise_()
+    try:
+        deadline = time.monotonic() + LOCK_WAIT
+        tries = 0
+        while True:
+            time.sleep(_EAGER_PAUSES[min(tries, len(_EAGER_PAUSES) - 1)])
+            tries += 1
+            try:
+                dbapi_connection.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+    finally:
+        if flag is not None:
+            flag.lower()
 
 
 def create_sync_readers(engine: AsyncEngine) -> sessionmaker[Session] | None:

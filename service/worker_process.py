@@ -34,8 +34,10 @@ the next start on the node releases them, or their leases expire.
 On SQLite the two processes write one file: the in-process write gate no
 longer orders the child's transactions behind the registrations, so the
 registration writer waits for the write lock on its own terms
-(``db.create_sync_engine(..., eager_lock=True)``), and the child's
-transactions stay short as before (no I/O inside).
+(``db.create_sync_engine(..., eager_lock=True)``) and raises a flag in
+shared memory meanwhile, which the child's transactions yield to before
+they begin (write_gate.UrgentFlag); the child's transactions stay short as
+before (no I/O inside).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import sys
 from typing import Any
 
 from .config import Settings
+from .write_gate import share_urgent_flag, urgent_flag_raised_by_agent
 
 log = logging.getLogger("tierckpt.worker_process")
 
@@ -81,10 +84,19 @@ class WorkerChild:
 
     def start(self) -> asyncio.Task[None]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # SQLite: the registrations' precedence over the child's transactions.
+        flag = share_urgent_flag()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),),
+                [
+                    sys.executable,
+                    "-m",
+                    __name__,
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                    str(flag.fd),
+                ],
+                pass_fds=(theirs.fileno(), flag.fd),
                 stdin=subprocess.DEVNULL,
             )
         finally:
@@ -299,8 +311,9 @@ class _Child:
 
 
 def main(argv: list[str]) -> int:
-    fd, parent = int(argv[0]), int(argv[1])
+    fd, parent, flag = int(argv[0]), int(argv[1]), int(argv[2])
     _die_with_parent(parent)
+    urgent_flag_raised_by_agent(flag)
     # The agent drains and then stops this process; a signal to the group
     # (Ctrl-C, a scheduler) must not end it first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

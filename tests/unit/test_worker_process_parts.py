@@ -1,9 +1,12 @@
 """The parts of the worker process that need no child: the metrics the child
 reports, merged into the agent's; the registration writer's eager wait for
-SQLite's write lock held by another connection (another process)."""
+SQLite's write lock held by another connection (another process), and the
+shared flag by which the worker process's transactions yield to it."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -12,9 +15,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
-from tierckpt.service import db
+from tierckpt.service import db, write_gate
 from tierckpt.service.observability import metrics
 
 
@@ -99,6 +102,74 @@ def test_the_eager_begin_gives_up_at_the_deadline(
         db._begin_eagerly(waiter)
     holder.execute("ROLLBACK")
     db._begin_eagerly(waiter)  # free now: taken at once
+    waiter.execute("ROLLBACK")
+    holder.close()
+    waiter.close()
+
+
+def test_the_urgent_flag_is_shared_memory() -> None:
+    flag = write_gate.UrgentFlag()
+    seen = write_gate.UrgentFlag(os.dup(flag.fd))  # as the worker process maps it
+    assert not seen.raised()
+    flag.raise_()
+    assert seen.raised()
+    flag.lower()
+    assert not seen.raised()
+
+
+async def test_background_transactions_yield_to_the_agents_raised_flag(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    flag = write_gate.UrgentFlag()
+    monkeypatch.setitem(write_gate._URGENT, "yield", flag)
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}")
+    maker = async_sessionmaker(engine)
+    entered = asyncio.Event()
+
+    async def background() -> None:
+        async with write_gate.gated(maker):
+            entered.set()
+
+    flag.raise_()
+    task = asyncio.create_task(background())
+    for _ in range(20):
+        await asyncio.sleep(0.001)
+    assert not entered.is_set()  # waits while a registration wants the lock
+    async with write_gate.gated(maker, urgent=True):  # urgent ones never yield
+        pass
+    flag.lower()
+    await asyncio.wait_for(task, 30)
+    assert entered.is_set()
+    # A flag left raised (its agent died mid-wait) holds nobody for ever.
+    monkeypatch.setattr(write_gate, "YIELD_MAX", 0.01)
+    flag.raise_()
+    await asyncio.wait_for(background(), 30)
+    await engine.dispose()
+
+
+def test_the_eager_begin_raises_the_flag_while_it_waits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    flag = write_gate.UrgentFlag()
+    monkeypatch.setitem(write_gate._URGENT, "raise", flag)
+    path = tmp_path / "catalog.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE t (x INTEGER)")
+    waiter = sqlite3.connect(path, isolation_level=None, timeout=0, check_same_thread=False)
+    db._begin_eagerly(waiter)  # free: taken at once, no flag
+    assert not flag.raised()
+    waiter.execute("ROLLBACK")
+    holder.execute("BEGIN IMMEDIATE")
+    thread = threading.Thread(target=db._begin_eagerly, args=(waiter,))
+    thread.start()
+    for _ in range(30_000):
+        if flag.raised():
+            break
+        threading.Event().wait(0.001)
+    assert flag.raised()
+    holder.execute("ROLLBACK")
+    thread.join(30)
+    assert not flag.raised()  # lowered once it holds the lock
     waiter.execute("ROLLBACK")
     holder.close()
     waiter.close()
