@@ -7,8 +7,9 @@
 * the worker with a handler for every job kind (jobs/kinds.py), unless the
   agent runs without one (``[worker] enabled = false``, or a test);
 * the periodic passes: the scrubber (``[scrub]``) and the retention sweeper;
-* with ``[worker] separate_process`` (`tierckpt serve`), the worker and the
-  passes run in a child process instead (worker_process.py), so that their
+* with ``[worker] separate_process`` (`tierckpt serve`; by default with a
+  PostgreSQL catalog), the worker and the passes run in a child process
+  instead (worker_process.py), so that their
   Python does not hold up the requests and the registration writer on this
   process's loop; here a ``WorkerChild`` stands for them, supervised alike
   (the child exiting unasked is the worker dying).
@@ -39,6 +40,7 @@ from typing import Any, Protocol
 
 from .background import background
 from .checkpoints.batching import RegistrationBatcher
+from .config import Settings
 from .draining import DrainState
 from .jobs import queue
 from .jobs.worker import Worker
@@ -61,6 +63,14 @@ class SideTask(Protocol):
 class Failure:
     component: str
     reason: str
+
+
+def _separate(settings: Settings) -> bool:
+    """``[worker] separate_process``, ``auto`` resolved by the catalog's kind."""
+    choice = settings.worker.separate_process
+    if choice == "auto":
+        return not settings.catalog.url.startswith("sqlite")
+    return choice == "yes"
 
 
 class AgentProcess:
@@ -94,7 +104,7 @@ class AgentProcess:
         registrations = RegistrationBatcher(resources)
         if not (start_worker and settings.worker.enabled):
             return cls(resources, registrations)
-        if worker_process and settings.worker.separate_process:
+        if worker_process and _separate(settings):
             child = WorkerChild(settings)
             # A registration wakes the child's worker (a line on its socket).
             resources.wake = child.wake

@@ -1,9 +1,10 @@
 """The agent's background work: the job worker and the periodic passes.
 
 Built here once for both places it runs: inside the agent's own process
-(``[worker] separate_process = false``, and the tests that drive an app in
-process) or in the worker's child process (worker_process.py), which keeps
-the agent's event loop and GIL for the requests and the registration writer.
+(``[worker] separate_process``: by default with a SQLite catalog, and the
+tests that drive an app in process) or in the worker's child process
+(worker_process.py), which keeps the agent's event loop and GIL for the
+requests and the registration writer.
 """
 
 from __future__ import annotations

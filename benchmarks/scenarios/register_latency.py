@@ -14,9 +14,9 @@ keeps its data on a tmpfs (/dev/shm when it exists): the store must not share
 the agent's disk, or the figure would be the store's writes competing with
 the catalog's fsyncs, not the agent's own work. The same agent with its
 worker off (nothing uploads) gives the idle figure beside it, and the same
-load with the worker inside the agent's process (``[worker]
-separate_process = false``, as before the worker process) the figure it
-replaced. Both on SQLite and on PostgreSQL. The machine's own floor is
+load with the worker in its own process (``[worker] separate_process =
+"yes"``, the default with PostgreSQL) and in the agent's (``"no"``, the
+default with SQLite), side by side. Both on SQLite and on PostgreSQL. The machine's own floor is
 measured during each loaded round too: an fsync of 4 KiB on the catalog's
 disk (every registration commits one) and how late a 1 ms sleep wakes up
 (the wait for a CPU). Client-observed times, and the agent's own time for the
@@ -132,7 +132,7 @@ def _loaded_agent(
         worker=worker,
         regions=[east, west],
         # The worker in a process of its own (the default), or in the agent's.
-        worker_settings={"separate_process": separate},
+        worker_settings={"separate_process": "yes" if separate else "no"},
         **sections,
     )
 
@@ -399,8 +399,9 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "every 2 s). The S3 server's data is on a tmpfs "
         f"({store_dir}), not the agent's disk.",
         "idle: the same agent configuration with TIERCKPT_WORKER__ENABLED=false. "
-        "worker in the agent's process: the same load with [worker] separate_process = false "
-        "(the design before the worker process).",
+        "worker in its own process / in the agent's process: the same load with [worker] "
+        'separate_process = "yes" / "no"; "auto", the default, is "yes" with PostgreSQL and '
+        '"no" with SQLite.',
         "machine floor: probed in the benchmark's process during the loaded rounds, every "
         "50 ms: fdatasync of a 4 KiB write on the catalog's disk (each registration commits "
         "with one; the other helpers of this machine share the disk and the 2 cores) and how "

@@ -13,6 +13,8 @@ from devsupport.agent import Agent, running_agent, write_checkpoint
 from tests.integration.test_agent_supervision import unhealthy
 from tierckpt.service.worker_process import WorkerChild
 
+# "auto" runs it with PostgreSQL only: both catalogs are tested here.
+SEPARATE = {"separate_process": "yes"}
 UPLOADS_DONE = 'tierckpt_job_runs_total{kind="upload",outcome="succeeded"}'
 UPLOADED = 'tierckpt_uploaded_bytes_total{region="local"}'
 
@@ -41,7 +43,7 @@ async def _metrics_when(agent: Agent, series: str, value: float, timeout: float 
 async def test_the_worker_process_runs_the_jobs_and_reports_its_metrics(
     catalog_url: str, tmp_path: Path
 ) -> None:
-    async with running_agent(catalog_url, tmp_path, worker_process=True) as agent:
+    async with running_agent(catalog_url, tmp_path, worker_process=True, worker=SEPARATE) as agent:
         child = agent.process.worker
         assert isinstance(child, WorkerChild) and child.alive
         # The passes run in the child too.
@@ -65,10 +67,18 @@ async def test_the_worker_process_runs_the_jobs_and_reports_its_metrics(
     assert agent.process.failures == []
 
 
-async def test_a_killed_worker_process_fails_the_liveness_probe(
+async def test_auto_runs_the_worker_process_with_postgresql_only(
     catalog_url: str, tmp_path: Path
 ) -> None:
     async with running_agent(catalog_url, tmp_path, worker_process=True) as agent:
+        separate = isinstance(agent.process.worker, WorkerChild)
+        assert separate == catalog_url.startswith("postgresql")
+
+
+async def test_a_killed_worker_process_fails_the_liveness_probe(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, worker_process=True, worker=SEPARATE) as agent:
         child = agent.process.worker
         assert isinstance(child, WorkerChild) and child.pid is not None
         os.kill(child.pid, signal.SIGKILL)
