@@ -255,9 +255,10 @@ class _Child:
             for p in passes:
                 await p.stop()
             await worker.stop(self.grace)
-            commands.cancel()
-            reports.cancel()
-            await asyncio.gather(commands, reports, return_exceptions=True)
+            helpers: list[asyncio.Task[Any]] = [commands, reports, stopped]
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(commands, reports, stopped, return_exceptions=True)
             await self._report(worker)  # the last counts
         finally:
             await close_resources(resources)
