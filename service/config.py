@@ -220,9 +220,10 @@ class WorkerSettings(BaseModel):
     loop and GIL, so the Python of uploads, replication and verification
     does not delay a registration or a `latest`. The child dies with the
     agent. `auto`: yes with a PostgreSQL catalog (measured under upload load
-    on 2 cores: register p99 101 -> 13 ms, `latest` p99 30 -> 8.5 ms), no with
-    SQLite, where the two processes would take turns at the one write lock
-    and both fsync the same disk (register p99 23 -> 43 ms, measured)."""
+    on 2 cores: register p50 16 -> 6 ms, p99 67 -> 19 ms; `latest` p99 31 ->
+    14 ms), no with SQLite, where the two processes would take turns at the
+    one write lock and both fsync the same disk (register p99 28 -> 43 ms,
+    measured)."""
     process_nice: int = Field(10, ge=0, le=19)
     """Niceness added to the worker process (`nice`): when the agent and its
     worker both want a CPU, the agent's requests get it first. Uploads still
