@@ -9,10 +9,10 @@
 * the periodic passes: the scrubber (``[scrub]``) and the retention sweeper;
 * with ``[worker] separate_process`` (`tierckpt serve`; by default with a
   PostgreSQL catalog), the worker and the passes run in a child process
-  instead (worker_process.py), so that their
-  Python does not hold up the requests and the registration writer on this
-  process's loop; here a ``WorkerChild`` stands for them, supervised alike
-  (the child exiting unasked is the worker dying).
+  instead (worker_process.py), so that their Python does not hold up the
+  requests and the registration writer on this process's loop; here a
+  ``WorkerChild`` stands for them, supervised alike (the child exiting
+  unasked is the worker dying).
 
 ``start()`` runs the worker and the passes as supervised tasks: a task that
 ends while the agent is running (it never should; their own errors are
