@@ -96,6 +96,7 @@ class BenchContext:
         *,
         worker: bool = True,
         regions: list[dict[str, Any]] | None = None,
+        worker_settings: dict[str, Any] | None = None,
         **overrides: dict[str, Any],
     ) -> Agent:
         """Another `tierckpt serve` with its own catalog (and port), the same
@@ -108,6 +109,7 @@ class BenchContext:
             seaweed=self.seaweed,
             worker=worker,
             regions=regions,
+            worker_settings=worker_settings,
             **overrides,
         )
         self._agents.append(agent)
@@ -170,10 +172,13 @@ def start_agent(
     seaweed: SeaweedServer,
     worker: bool = True,
     regions: list[dict[str, Any]] | None = None,
+    worker_settings: dict[str, Any] | None = None,
     **overrides: dict[str, Any],
 ) -> Agent:
+    """``worker_settings``: the ``[worker]`` section's overrides (``worker``
+    itself says whether the worker runs at all)."""
     settings = agent_settings(work, ssd, seaweed, name)
-    for section, values in overrides.items():
+    for section, values in {**overrides, "worker": worker_settings or {}}.items():
         settings.setdefault(section, {}).update(values)
     regions = regions or settings.pop("regions")
     settings.pop("regions", None)

@@ -118,6 +118,7 @@ async def running_agent(
     regions: list[dict[str, Any]] | None = None,
     *,
     start_worker: bool = True,
+    worker_process: bool = False,
     ssd: Path | None = None,
     tokens: list[dict[str, Any]] | None = None,
     **sections: Any,
@@ -127,7 +128,8 @@ async def running_agent(
     regions = regions or [posix_region("local", tmp_path / "region-local")]
     settings = make_settings(catalog_url, ssd, regions, tokens=tokens, **sections)
     await asyncio.to_thread(upgrade, catalog_url)
-    app = create_app(settings, start_worker=start_worker)
+    # worker_process: the worker runs in a child process, as under `tierckpt serve`.
+    app = create_app(settings, start_worker=start_worker, worker_process=worker_process)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://agent") as http:

@@ -6,7 +6,13 @@
   routes reach it through a dependency (deps.py);
 * the worker with a handler for every job kind (jobs/kinds.py), unless the
   agent runs without one (``[worker] enabled = false``, or a test);
-* the periodic passes: the scrubber (``[scrub]``) and the retention sweeper.
+* the periodic passes: the scrubber (``[scrub]``) and the retention sweeper;
+* with ``[worker] separate_process`` (`tierckpt serve`; by default with a
+  PostgreSQL catalog), the worker and the passes run in a child process
+  instead (worker_process.py), so that their Python does not hold up the
+  requests and the registration writer on this process's loop; here a
+  ``WorkerChild`` stands for them, supervised alike (the child exiting
+  unasked is the worker dying).
 
 ``start()`` runs the worker and the passes as supervised tasks: a task that
 ends while the agent is running (it never should; their own errors are
@@ -30,22 +36,17 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
+from .background import background
 from .checkpoints.batching import RegistrationBatcher
+from .config import Settings
 from .draining import DrainState
-from .integrity.jobs import VerifyJobs
-from .integrity.scrub import Scrubber
 from .jobs import queue
-from .jobs.kinds import KINDS
-from .jobs.worker import JobHandler, Worker
+from .jobs.worker import Worker
 from .periodic import Periodic
-from .replication.jobs import ReplicationJobs
 from .resources import Resources
-from .retention.at_durable import RetainJobs
-from .retention.jobs import DeleteJobs
-from .retention.sweeper import sweep
-from .uploads.jobs import UploadJobs
+from .worker_process import WorkerChild
 
 log = logging.getLogger("tierckpt.agent")
 
@@ -64,21 +65,12 @@ class Failure:
     reason: str
 
 
-def job_handlers(resources: Resources) -> dict[str, JobHandler]:
-    """A handler for every kind in the registry, and only those."""
-    handlers = {
-        **UploadJobs(resources).handlers(),
-        **ReplicationJobs(resources).handlers(),
-        **VerifyJobs(resources).handlers(),
-        **DeleteJobs(resources).handlers(),
-        **RetainJobs(resources).handlers(),
-    }
-    if handlers.keys() != KINDS.keys():
-        raise RuntimeError(
-            f"job kinds without a handler: {sorted(KINDS.keys() - handlers.keys())}, "
-            f"handlers without a kind: {sorted(handlers.keys() - KINDS.keys())}"
-        )
-    return handlers
+def _separate(settings: Settings) -> bool:
+    """``[worker] separate_process``, ``auto`` resolved by the catalog's kind."""
+    choice = settings.worker.separate_process
+    if choice == "auto":
+        return not settings.catalog.url.startswith("sqlite")
+    return choice == "yes"
 
 
 class AgentProcess:
@@ -87,7 +79,7 @@ class AgentProcess:
         resources: Resources,
         registrations: RegistrationBatcher,
         *,
-        worker: Worker | None = None,
+        worker: Worker | WorkerChild | None = None,
         passes: list[Periodic] | None = None,
     ) -> None:
         self.resources = resources
@@ -102,46 +94,34 @@ class AgentProcess:
         self._worker_grace: float | None = None
 
     @classmethod
-    def assemble(cls, resources: Resources, *, start_worker: bool = True) -> AgentProcess:
+    def assemble(
+        cls, resources: Resources, *, start_worker: bool = True, worker_process: bool = False
+    ) -> AgentProcess:
+        """``worker_process``: the worker and the passes run in a child process
+        (worker_process.py) when ``[worker] separate_process`` says so; `tierckpt
+        serve` asks for it, an app driven in process (tests) runs them here."""
         settings = resources.settings
         registrations = RegistrationBatcher(resources)
         if not (start_worker and settings.worker.enabled):
             return cls(resources, registrations)
-        worker = Worker(
-            resources.sessionmaker, job_handlers(resources), settings.worker, settings.server.node
-        )
-        # Work enqueued in this process (a registration, a scrub pass) is
-        # looked at now, not at the worker's next poll.
-        resources.wake = worker.wake
-        passes = []
-        if settings.scrub.enabled:
-            scrubber = Scrubber(resources, settings.scrub)
-            passes.append(
-                Periodic(
-                    "scrub",
-                    scrubber.run_once,
-                    settings.scrub.interval_seconds,
-                    log=logging.getLogger("tierckpt.scrub"),
-                )
-            )
-        interval = settings.retention.interval_seconds
-        passes.append(
-            Periodic(
-                "retention",
-                partial(sweep, resources),
-                interval,
-                # Not at start: an agent restarting often (a crash loop, a
-                # deploy) must not run a pass each time.
-                first_delay=interval,
-                log=logging.getLogger("tierckpt.retention"),
-            )
-        )
+        if worker_process and _separate(settings):
+            child = WorkerChild(settings)
+            # A registration wakes the child's worker (a line on its socket).
+            resources.wake = child.wake
+            return cls(resources, registrations, worker=child)
+        worker, passes = background(resources)
         return cls(resources, registrations, worker=worker, passes=passes)
 
     @property
     def busy(self) -> int:
         """Jobs the worker is running right now."""
         return self.worker.busy if self.worker is not None else 0
+
+    @property
+    def worker_samples(self) -> list[Any]:
+        """The worker process's last report of its metrics; none when the
+        worker runs in this process (its counts are this process's own)."""
+        return self.worker.samples if isinstance(self.worker, WorkerChild) else []
 
     def start(self) -> None:
         components: list[tuple[str, SideTask]] = []

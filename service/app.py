@@ -25,12 +25,20 @@ from .runs.routes import router as runs_router
 from .ui.routes import router as ui_router
 
 
-def create_app(settings: Settings, *, start_worker: bool = True) -> FastAPI:
+def create_app(
+    settings: Settings, *, start_worker: bool = True, worker_process: bool = False
+) -> FastAPI:
+    """``worker_process``: allow the worker its own process (``[worker]
+    separate_process``); `tierckpt serve` does, an app driven in process by
+    the tests keeps everything in one."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         resources = await open_resources(settings)
         try:
-            agent = AgentProcess.assemble(resources, start_worker=start_worker)
+            agent = AgentProcess.assemble(
+                resources, start_worker=start_worker, worker_process=worker_process
+            )
             app.state.resources, app.state.agent = resources, agent
             agent.start()
             # Everything loaded so far (modules, the app, the ORM's mappers)

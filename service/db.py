@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
-from .write_gate import READ_ONLY, gated
+from .write_gate import READ_ONLY, gated, raising_urgent
 
 # PostgreSQL: how long opening a connection, and any one statement of the
 # service, may take before the catalog counts as unreachable (503 to the
@@ -59,11 +60,15 @@ def create_engine(url: str, *, bounded: bool = False, **kwargs: Any) -> AsyncEng
     return engine
 
 
-def create_sync_engine(engine: AsyncEngine, pool_size: int = 1) -> Engine | None:
+def create_sync_engine(
+    engine: AsyncEngine, pool_size: int = 1, *, eager_lock: bool = False
+) -> Engine | None:
     """A synchronous (pysqlite) engine on the same SQLite file as ``engine``,
     with the same settings, for work that runs whole in one worker thread
     (the registration writer, hot reads); None for PostgreSQL or an
-    in-memory database."""
+    in-memory database. ``eager_lock``: its transactions ask for the write
+    lock again every fraction of a millisecond while another process holds
+    it (``_begin_eagerly``), not on SQLite's busy-handler schedule."""
     url = engine.url
     if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
         return None
@@ -73,8 +78,52 @@ def create_sync_engine(engine: AsyncEngine, pool_size: int = 1) -> Engine | None
         pool_size=pool_size,
         max_overflow=1,
     )
-    _sqlite_transactions(sync)
+    _sqlite_transactions(sync, eager_lock=eager_lock)
     return sync
+
+
+# How long a transaction of an ``eager_lock`` engine waits for the write lock
+# (as busy_timeout for the others), and its pauses between two tries.
+LOCK_WAIT = 30.0
+_EAGER_PAUSES = (0.0002, 0.0005, 0.001, 0.002)
+
+
+def _begin_eagerly(dbapi_connection: Any) -> None:
+    """BEGIN IMMEDIATE, retried after a short pause while another process
+    (the worker process, another agent) holds the write lock.
+
+    SQLite's busy handler sleeps 1, 2, 5, 10, 15, 20 ms… between tries: a
+    registration finding a 3 ms job transaction in progress would wait 8 ms
+    for it. The write gate spares that in one process; across processes the
+    registration writer, on a trainer's critical path, polls instead."""
+    try:
+        dbapi_connection.execute("BEGIN IMMEDIATE")
+        return
+    except sqlite3.OperationalError as exc:
+        if "locked" not in str(exc) and "busy" not in str(exc):
+            raise
+    # Taken: the worker process yields to us from its next transaction on
+    # (write_gate.UrgentFlag), so we wait for the one holding it only.
+    flag = raising_urgent()
+    if flag is not None:
+        flag.raise_()
+    try:
+        deadline = time.monotonic() + LOCK_WAIT
+        tries = 0
+        while True:
+            time.sleep(_EAGER_PAUSES[min(tries, len(_EAGER_PAUSES) - 1)])
+            tries += 1
+            try:
+                dbapi_connection.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+    finally:
+        if flag is not None:
+            flag.lower()
 
 
 def create_sync_readers(engine: AsyncEngine) -> sessionmaker[Session] | None:
@@ -86,7 +135,7 @@ def create_sync_readers(engine: AsyncEngine) -> sessionmaker[Session] | None:
     return sessionmaker(sync.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
 
-def _sqlite_transactions(engine: Engine) -> None:
+def _sqlite_transactions(engine: Engine, *, eager_lock: bool = False) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take transaction control from the driver so BEGIN IMMEDIATE below is
@@ -99,7 +148,9 @@ def _sqlite_transactions(engine: Engine) -> None:
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA busy_timeout=30000")
+        # An eager-lock engine waits for the write lock itself (_begin_eagerly);
+        # its statements inside a transaction never wait: it holds the lock.
+        cursor.execute(f"PRAGMA busy_timeout={0 if eager_lock else int(LOCK_WAIT * 1000)}")
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -112,6 +163,8 @@ def _sqlite_transactions(engine: Engine) -> None:
         # it (and holding up the uploads' and registrations' commits).
         if conn.get_execution_options().get(READ_ONLY):
             conn.exec_driver_sql("BEGIN")
+        elif eager_lock:
+            _begin_eagerly(conn.connection.driver_connection)
         else:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 

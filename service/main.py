@@ -43,7 +43,7 @@ def serve(config_path: str | None = None) -> None:
     # JSON lines (with request and job context) unless a person is watching.
     configure_logging(settings.server.log_format)
     upgrade(settings.catalog.url)
-    app = create_app(settings)
+    app = create_app(settings, worker_process=True)
     config = uvicorn.Config(
         app,
         host=settings.server.host,

@@ -51,10 +51,12 @@ class Resources:
     wake: Callable[[], None] = field(default=_no_worker)
 
 
-async def open_resources(settings: Settings) -> Resources:
+async def open_resources(settings: Settings, *, check_regions: bool = True) -> Resources:
+    """``check_regions``: see that each region is ready (creating what it
+    needs); the worker process skips it, the agent did it before starting it."""
     engine = create_engine(settings.catalog.url, bounded=True)
     stores = build_stores(settings)
-    for store in stores.values():
+    for store in stores.values() if check_regions else ():
         try:
             await store.ensure_ready()
         except StoreError as exc:

@@ -67,7 +67,9 @@ class RegistrationBatcher:
         self._pending: list[tuple[Registration, asyncio.Future[Outcome]]] = []
         self._writer: asyncio.Task[None] | None = None
         self._run_ids: dict[str, int] = {}
-        self._sync_engine = create_sync_engine(self.engine)
+        # Eager lock: the worker may run in another process (worker_process.py),
+        # where the write gate does not put the registrations first.
+        self._sync_engine = create_sync_engine(self.engine, eager_lock=True)
         self.batches = 0  # statistics, for tests and logs
         self.largest_batch = 0
 

@@ -12,8 +12,12 @@ The hooks are one line at the call site and never raise.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
 
 from .context import current_job, job_elapsed
 
@@ -123,6 +127,69 @@ _REGION_FAMILIES = (
     RESTORE_PLANNED_BYTES,
     SERVED_BYTES,
 )
+
+# What the worker and the periodic passes count. When they run in the worker
+# process (worker_process.py), that process reports these families to the
+# agent (``worker_samples``) and ``/metrics`` adds them to the agent's own
+# (``with_worker``): one agent, one set of series, as before.
+_WORKER_FAMILIES = (
+    UPLOADED_BYTES,
+    DEDUP_BYTES,
+    UPLOAD_SECONDS,
+    REPLICATED_BYTES,
+    REPLICATION_SECONDS,
+    SCRUB_RESULTS,
+    JOB_RUNS,
+    JOB_SECONDS,
+)
+
+# One reported sample: family, sample name, labels, value.
+WorkerSample = tuple[str, str, dict[str, str], float]
+
+
+def worker_samples() -> list[WorkerSample]:
+    """This process's values of the worker's families (``_created`` left out:
+    a timestamp, not a count)."""
+    out: list[WorkerSample] = []
+    for family in _WORKER_FAMILIES:
+        for metric in family.collect():
+            for sample in metric.samples:
+                if not sample.name.endswith("_created"):
+                    out.append((metric.name, sample.name, dict(sample.labels), sample.value))
+    return out
+
+
+class _WithWorker:
+    """``REGISTRY`` with the worker process's reported values added in."""
+
+    def __init__(self, samples: Iterable[Sequence[Any]]) -> None:
+        self.extra: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        for family, name, labels, value in samples:
+            key = (str(name), tuple(sorted(dict(labels).items())))
+            self.extra.setdefault(str(family), {})[key] = float(value)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in REGISTRY.collect():
+            extra = dict(self.extra.get(metric.name, {}))
+            if extra:
+                samples = []
+                for sample in metric.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    if key in extra:
+                        sample = sample._replace(value=sample.value + extra.pop(key))
+                    samples.append(sample)
+                # Series only the worker process has (a job kind never run here).
+                samples += [
+                    Sample(name, dict(labels), value) for (name, labels), value in extra.items()
+                ]
+                metric.samples = samples
+            yield metric
+
+
+def with_worker(samples: Iterable[Sequence[Any]]) -> _WithWorker:
+    """A collector for ``generate_latest``: this process's metrics plus a
+    worker process's last report (``worker_samples`` there)."""
+    return _WithWorker(samples)
 
 
 def init_regions(regions: list[str]) -> None:

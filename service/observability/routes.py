@@ -32,5 +32,9 @@ async def prometheus_metrics(
         principal = authenticate(request.headers.get("authorization"), settings.tokens)
         authorize(principal, Action.READ)
     metrics.init_regions([region.name for region in settings.regions])
-    body = generate_latest(metrics.REGISTRY) + render(await catalog_families(resources, agent.busy))
+    # The worker's families as the worker process last reported them, when
+    # it runs in one (worker_process.py), added to this process's.
+    body = generate_latest(metrics.with_worker(agent.worker_samples)) + render(
+        await catalog_families(resources, agent.busy)
+    )
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -238,8 +238,10 @@ def test_sigterm_to_agent_and_trainer_urgent_checkpoint_durable_before_exit(
     assert_in_region(s3_client, s3_bucket, 2, ssd / RUN / "step-2")
 
 
+# The worker in the agent's process (SQLite's default) and in its own.
+@pytest.mark.parametrize("separate", ["no", "yes"], ids=["worker-in-agent", "worker-process"])
 def test_drain_ends_at_its_deadline_and_the_next_start_finishes(
-    tmp_path: Path, seaweed: SeaweedServer, s3_client: Any, s3_bucket: str
+    tmp_path: Path, seaweed: SeaweedServer, s3_client: Any, s3_bucket: str, separate: str
 ) -> None:
     drain_seconds = 4.0
     with TcpProxy("127.0.0.1", seaweed.ports["s3"]) as proxy:
@@ -248,7 +250,12 @@ def test_drain_ends_at_its_deadline_and_the_next_start_finishes(
             f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}",
             f"http://127.0.0.1:{proxy.port}",
             s3_bucket,
-            {"drain_seconds": drain_seconds, "drain_linger_seconds": 1, "lease_seconds": 60},
+            {
+                "drain_seconds": drain_seconds,
+                "drain_linger_seconds": 1,
+                "lease_seconds": 60,
+                "separate_process": separate,
+            },
         )
         ckpt = write_checkpoint(ssd / RUN / "step-1", {"weights.bin": 12 << 20})
         agent = ServeProcess(path, port, tmp_path / "serve.log").start()

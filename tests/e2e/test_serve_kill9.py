@@ -46,6 +46,24 @@ def open_uploads(s3_client: Any, bucket: str, prefix: str = "e2e/") -> list[str]
     return sorted(u["Key"] for u in answer.get("Uploads", []))
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (the agent's worker process)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def gone(pid: int, timeout: float = 30) -> bool:
+    """True once ``pid`` has exited (or is a zombie nobody reaps yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def wait_for(url: str, predicate: Any, timeout: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
@@ -96,7 +114,11 @@ def agent_config(
 
 
 def test_kill9_mid_upload_loses_nothing(
-    agent_config: tuple[Path, int, Path], tmp_path: Path, s3_client: Any, s3_bucket: str
+    agent_config: tuple[Path, int, Path],
+    tmp_path: Path,
+    s3_client: Any,
+    s3_bucket: str,
+    catalog_url: str,
 ) -> None:
     config, port, ssd = agent_config
     files: dict[str, bytes | int] = {
@@ -121,7 +143,13 @@ def test_kill9_mid_upload_loses_nothing(
         while not open_uploads(s3_client, s3_bucket) and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.2)
+        assert agent.proc is not None
+        workers = children(agent.proc.pid)
+        # The worker process (worker_process.py): by default with PostgreSQL.
+        assert len(workers) == (0 if catalog_url.startswith("sqlite") else 1)
         agent.kill()
+        # The worker process does not outlive the agent (PR_SET_PDEATHSIG).
+        assert all(gone(worker) for worker in workers)
     # Read the catalog as the kill left it: the shard was mid-upload.
     with ServeProcess(config, port, tmp_path / "serve.log", worker=False).start() as frozen:
         before = httpx.get(f"{frozen.url}/v1/runs/gpt/checkpoints/100").json()

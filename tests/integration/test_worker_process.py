@@ -1,0 +1,90 @@
+"""The worker in a child process of the agent (`tierckpt serve`'s default):
+it runs the jobs the agent's registrations enqueue, its counts reach the
+agent's ``/metrics``, and its death is seen like any component's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+from devsupport.agent import Agent, running_agent, write_checkpoint
+from tests.integration.test_agent_supervision import unhealthy
+from tierckpt.service.worker_process import WorkerChild
+
+# "auto" runs it with PostgreSQL only: both catalogs are tested here.
+SEPARATE = {"separate_process": "yes"}
+UPLOADS_DONE = 'tierckpt_job_runs_total{kind="upload",outcome="succeeded"}'
+UPLOADED = 'tierckpt_uploaded_bytes_total{region="local"}'
+
+
+def _value(text: str, series: str) -> float:
+    """A series' value in Prometheus text (0 when absent). Other tests of this
+    process may have counted in the same registry: compare differences."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def _metrics_when(agent: Agent, series: str, value: float, timeout: float = 30.0) -> str:
+    """The agent's /metrics once ``series`` reached ``value`` (the worker
+    process reports about once a second)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        text = (await agent.http.get("/metrics")).text
+        if _value(text, series) >= value:
+            return text
+        assert asyncio.get_running_loop().time() < deadline, f"{series} < {value} in:\n{text}"
+        await asyncio.sleep(0.1)
+
+
+async def test_the_worker_process_runs_the_jobs_and_reports_its_metrics(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, worker_process=True, worker=SEPARATE) as agent:
+        child = agent.process.worker
+        assert isinstance(child, WorkerChild) and child.alive
+        # The passes run in the child too.
+        assert agent.process.passes == []
+        before = (await agent.http.get("/metrics")).text
+        source = write_checkpoint(agent.ssd / "step-1", {"model.bin": 300_000})
+        assert (await agent.register("child-run", 1, source)).status_code == 202
+        await agent.wait_state("child-run", 1)
+        text = await _metrics_when(agent, UPLOADS_DONE, _value(before, UPLOADS_DONE) + 1)
+        # One series per family: the child's values are added to the agent's.
+        assert text.count("# HELP tierckpt_uploaded_bytes_total ") == 1
+        assert _value(text, UPLOADED) == _value(before, UPLOADED) + 300_000
+        assert (await agent.http.get("/healthz")).json() == {"status": "ok"}
+        # Niced: the agent's requests get a CPU first.
+        assert child.pid is not None
+        nice = agent.settings.worker.process_nice
+        assert nice > 0
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == min(19, own + nice)
+    assert not child.alive
+    assert agent.process.failures == []
+
+
+async def test_auto_runs_the_worker_process_with_postgresql_only(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, worker_process=True) as agent:
+        separate = isinstance(agent.process.worker, WorkerChild)
+        assert separate == catalog_url.startswith("postgresql")
+
+
+async def test_a_killed_worker_process_fails_the_liveness_probe(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, worker_process=True, worker=SEPARATE) as agent:
+        child = agent.process.worker
+        assert isinstance(child, WorkerChild) and child.pid is not None
+        os.kill(child.pid, signal.SIGKILL)
+        error = await unhealthy(agent)
+        assert error["code"] == "agent_component_died"
+        assert "worker (RuntimeError: the worker process exited with status -9)" in error["message"]
+        # Registrations are still written (a restart is the orchestrator's call).
+        source = write_checkpoint(agent.ssd / "step-1", {"model.bin": b"x"})
+        assert (await agent.register("orphan-run", 1, source)).status_code == 202

@@ -1,0 +1,175 @@
+"""The parts of the worker process that need no child: the metrics the child
+reports, merged into the agent's; the registration writer's eager wait for
+SQLite's write lock held by another connection (another process), and the
+shared flag by which the worker process's transactions yield to it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+from tierckpt.service import db, write_gate
+from tierckpt.service.observability import metrics
+
+
+def _values(body: bytes, family: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for parsed in text_string_to_metric_families(body.decode()):
+        if parsed.name == family:
+            for sample in parsed.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_the_worker_process_samples_add_to_the_agents_own() -> None:
+    metrics.UPLOADED_BYTES.labels("merge-test").inc(5)
+    before = _values(generate_latest(metrics.REGISTRY), "tierckpt_uploaded_bytes")
+    # What a child reports: its own values of the worker's families.
+    reported = [
+        ("tierckpt_uploaded_bytes", "tierckpt_uploaded_bytes_total", {"region": "merge-test"}, 7.0),
+        ("tierckpt_uploaded_bytes", "tierckpt_uploaded_bytes_total", {"region": "only-child"}, 3.0),
+        ("tierckpt_job_runs", "tierckpt_job_runs_total", {"kind": "k", "outcome": "o"}, 2.0),
+    ]
+    body = generate_latest(metrics.with_worker(reported))
+    after = _values(body, "tierckpt_uploaded_bytes")
+    key = ("tierckpt_uploaded_bytes_total", (("region", "merge-test"),))
+    assert after[key] == before[key] + 7
+    assert after[("tierckpt_uploaded_bytes_total", (("region", "only-child"),))] == 3
+    runs = _values(body, "tierckpt_job_runs")
+    assert runs[("tierckpt_job_runs_total", (("kind", "k"), ("outcome", "o")))] == 2
+    # Each family once: the exposition stays valid.
+    assert body.decode().count("# TYPE tierckpt_uploaded_bytes_total counter") == 1
+
+
+def test_worker_samples_are_the_worker_families_without_timestamps() -> None:
+    metrics.observe_job("upload", "succeeded")
+    samples = metrics.worker_samples()
+    families = {family for family, _name, _labels, _value in samples}
+    assert "tierckpt_job_runs" in families
+    assert "tierckpt_http_requests" not in families  # the agent's own, never the child's
+    assert not [name for _f, name, _l, _v in samples if name.endswith("_created")]
+
+
+async def test_the_eager_writer_waits_for_a_lock_another_connection_holds(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.db"
+    engine = create_async_engine(f"sqlite+aiosqlite:///{path}")
+    eager = db.create_sync_engine(engine, eager_lock=True)
+    assert eager is not None
+    with eager.begin() as conn:
+        conn.execute(text("CREATE TABLE t (x INTEGER)"))
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # another process's transaction, in effect
+    other.execute("INSERT INTO t VALUES (1)")
+    entered = threading.Event()
+
+    def write() -> None:
+        with eager.begin() as conn:
+            entered.set()
+            conn.execute(text("INSERT INTO t VALUES (2)"))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert not entered.wait(0.2)  # still waiting for the lock, not failed
+    other.execute("COMMIT")
+    writer.join(30)
+    assert entered.is_set()
+    with eager.connect() as conn:
+        assert sorted(conn.execute(text("SELECT x FROM t")).scalars()) == [1, 2]
+    other.close()
+    eager.dispose()
+    await engine.dispose()
+
+
+def test_the_eager_begin_gives_up_at_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "catalog.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x INTEGER)")
+    holder.execute("BEGIN IMMEDIATE")
+    waiter = sqlite3.connect(path, isolation_level=None, timeout=0)
+    monkeypatch.setattr(db, "LOCK_WAIT", 0.05)
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        db._begin_eagerly(waiter)
+    holder.execute("ROLLBACK")
+    db._begin_eagerly(waiter)  # free now: taken at once
+    waiter.execute("ROLLBACK")
+    holder.close()
+    waiter.close()
+
+
+def test_the_urgent_flag_is_shared_memory() -> None:
+    flag = write_gate.UrgentFlag()
+    seen = write_gate.UrgentFlag(os.dup(flag.fd))  # as the worker process maps it
+    assert not seen.raised()
+    flag.raise_()
+    assert seen.raised()
+    flag.lower()
+    assert not seen.raised()
+
+
+async def test_background_transactions_yield_to_the_agents_raised_flag(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    flag = write_gate.UrgentFlag()
+    monkeypatch.setitem(write_gate._URGENT, "yield", flag)
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}")
+    maker = async_sessionmaker(engine)
+    entered = asyncio.Event()
+
+    async def background() -> None:
+        async with write_gate.gated(maker):
+            entered.set()
+
+    flag.raise_()
+    task = asyncio.create_task(background())
+    for _ in range(20):
+        await asyncio.sleep(0.001)
+    assert not entered.is_set()  # waits while a registration wants the lock
+    async with write_gate.gated(maker, urgent=True):  # urgent ones never yield
+        pass
+    flag.lower()
+    await asyncio.wait_for(task, 30)
+    assert entered.is_set()
+    # A flag left raised (its agent died mid-wait) holds nobody for ever.
+    monkeypatch.setattr(write_gate, "YIELD_MAX", 0.01)
+    flag.raise_()
+    await asyncio.wait_for(background(), 30)
+    await engine.dispose()
+
+
+def test_the_eager_begin_raises_the_flag_while_it_waits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    flag = write_gate.UrgentFlag()
+    monkeypatch.setitem(write_gate._URGENT, "raise", flag)
+    path = tmp_path / "catalog.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE t (x INTEGER)")
+    waiter = sqlite3.connect(path, isolation_level=None, timeout=0, check_same_thread=False)
+    db._begin_eagerly(waiter)  # free: taken at once, no flag
+    assert not flag.raised()
+    waiter.execute("ROLLBACK")
+    holder.execute("BEGIN IMMEDIATE")
+    thread = threading.Thread(target=db._begin_eagerly, args=(waiter,))
+    thread.start()
+    for _ in range(30_000):
+        if flag.raised():
+            break
+        threading.Event().wait(0.001)
+    assert flag.raised()
+    holder.execute("ROLLBACK")
+    thread.join(30)
+    assert not flag.raised()  # lowered once it holds the lock
+    waiter.execute("ROLLBACK")
+    holder.close()
+    waiter.close()
