@@ -39,6 +39,7 @@ from .integrity.scrub import Scrubber
 from .jobs import queue
 from .jobs.kinds import KINDS
 from .jobs.worker import JobHandler, Worker
+from .memory.service import MemoryTier
 from .periodic import Periodic
 from .replication.jobs import ReplicationJobs
 from .resources import Resources
@@ -96,6 +97,10 @@ class AgentProcess:
         self._started: list[tuple[str, SideTask]] = []
         self._closing = False
         self.drain = DrainState()
+        # The memory tier (memory/): only with a worker, which persists its segments.
+        self.memory: MemoryTier | None = None
+        if worker is not None and resources.settings.memory.bytes > 0:
+            self.memory = MemoryTier(resources, registrations, self.drain)
         # Seconds the worker's running jobs get at close (None: shutdown_timeout).
         self._worker_grace: float | None = None
 
@@ -145,6 +150,10 @@ class AgentProcess:
         components: list[tuple[str, SideTask]] = []
         if self.worker is not None:
             components.append(("worker", self.worker))
+        if self.memory is not None:
+            # Segments an earlier life staged are persisted first thing.
+            self.memory.open()
+            components.append(("memory persister", self.memory.persister))
         components += [(f"{p.name} pass", p) for p in self.passes]
         for name, component in components:
             task = component.start()
@@ -186,6 +195,8 @@ class AgentProcess:
         while worker.alive and not self.drain.aborted:
             try:
                 left = await self._node_work_left(worker.node)
+                # Checkpoints staged in memory are this node's work too.
+                left += len(self.memory.arena.staged()) if self.memory is not None else 0
             except Exception as exc:  # the catalog is down: keep trying till the deadline
                 log.warning("drain: could not count this node's work left: %s", exc)
                 left = None

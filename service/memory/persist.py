@@ -1,0 +1,185 @@
+"""Writing staged segments to T0, then registering them as a disk save would.
+
+One segment at a time (T0's bandwidth is the limit, not the CPU): its files
+are copied into a hidden sibling of the T0 path the trainer asked for,
+fsynced, and the directory renamed into place, so T0 shows all or nothing,
+as a trainer's own save does. Then the ordinary registration runs (scan,
+group commit, upload job): the same code path as ``POST /v1/checkpoints``.
+
+Killed at any moment, the agent finds the segment still staged at restart
+(``persisted.json`` is written only after the registration is committed),
+drops the hidden directory of the attempt and starts over; a T0 directory
+renamed into place before the kill is recognised (same files and sizes) and
+registered as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from ...client._files import fsync_dir
+from ..checkpoints.batching import RegistrationBatcher
+from ..checkpoints.schemas import RegisterRequest
+from ..checkpoints.service import register
+from ..errors import ApiError
+from ..resources import Resources
+from ..storage.posix import _kernel_copy
+from .arena import Arena, Segment
+
+log = logging.getLogger("tierckpt.memory")
+
+PERSIST_PREFIX = ".tierckpt-persist-"
+RETRY_BASE, RETRY_MAX = 0.5, 30.0
+
+
+class TargetTaken(Exception):
+    """The T0 path holds other files than the segment's."""
+
+
+def _same_layout(target: Path, files: dict[str, int]) -> bool:
+    found: dict[str, int] = {}
+    for dirpath, _dirs, names in os.walk(target):
+        for name in names:
+            path = Path(dirpath) / name
+            found[path.relative_to(target).as_posix()] = path.stat().st_size
+    return found == files
+
+
+def copy_file(source: Path, destination: Path, size: int) -> None:
+    """An in-kernel copy (copy_file_range or sendfile), then fsync."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _kernel_copy(src, dst, size)
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def write_to_t0(segment: Segment, target: Path) -> None:
+    """Copy the segment's files to ``target`` (all or nothing, fsynced)."""
+    if target.exists():
+        if _same_layout(target, segment.files):
+            return  # renamed into place by an earlier attempt that was killed
+        raise TargetTaken(
+            f"{target} exists with other files; the memory-staged checkpoint was not "
+            "written there (its bytes stay in the arena until freed)"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f"{PERSIST_PREFIX}{segment.id}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    directories = {staging}
+    for relative in sorted(segment.files):
+        destination = staging / relative
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        directories.add(destination.parent)
+        copy_file(segment.data / relative, destination, segment.files[relative])
+    for directory in directories:
+        fsync_dir(directory)
+    staging.chmod(0o755)
+    os.rename(staging, target)
+    fsync_dir(target.parent)
+
+
+class SegmentPersister:
+    """The agent's task that takes staged segments to T0 and the catalog."""
+
+    def __init__(
+        self,
+        resources: Resources,
+        registrations: RegistrationBatcher,
+        arena: Arena,
+        keep_newest: bool,
+    ) -> None:
+        self.resources = resources
+        self.registrations = registrations
+        self.arena = arena
+        self.keep_newest = keep_newest
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._not_before: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self._run(), name="memory-persist")
+        return self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            now = time.monotonic()
+            for segment in self.arena.staged():
+                if self._not_before.get(segment.id, 0.0) <= now:
+                    await self.persist(segment)
+            self.arena.reclaim_expired()
+            waits = [t - time.monotonic() for t in self._not_before.values()]
+            timeout = max(0.05, min([5.0, *waits]))
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def persist(self, segment: Segment) -> None:
+        assert segment.registration is not None
+        request = RegisterRequest.model_validate(segment.registration)
+        try:
+            await asyncio.to_thread(write_to_t0, segment, Path(request.path))
+            # No drain check: the agent accepted this checkpoint when it was staged.
+            await register(self.resources, self.registrations, request)
+        except (ApiError, TargetTaken) as exc:
+            if isinstance(exc, ApiError) and exc.status >= 500:
+                self._retry_later(segment, exc)
+                return
+            message = getattr(exc, "message", None) or str(exc)
+            log.error(
+                "memory segment %s (%s step %d) not registered: %s",
+                segment.id,
+                segment.run,
+                segment.step,
+                message,
+            )
+            self.arena.mark_failed(segment, message)
+            return
+        except Exception as exc:  # T0 full or unwritable, catalog down: try again later
+            self._retry_later(segment, exc)
+            return
+        self._not_before.pop(segment.id, None)
+        self._failures.pop(segment.id, None)
+        self.arena.mark_persisted(segment, request.path)
+        self.arena.free_older(segment, self.keep_newest)
+        log.debug("memory segment %s persisted to %s", segment.id, request.path)
+
+    def _retry_later(self, segment: Segment, exc: BaseException) -> None:
+        failures = self._failures.get(segment.id, 0) + 1
+        self._failures[segment.id] = failures
+        delay = min(RETRY_MAX, RETRY_BASE * 2 ** (failures - 1))
+        self._not_before[segment.id] = time.monotonic() + delay
+        log.warning(
+            "memory segment %s (%s step %d) not persisted yet (attempt %d, retry in %.1f s): %s",
+            segment.id,
+            segment.run,
+            segment.step,
+            failures,
+            delay,
+            exc,
+        )
