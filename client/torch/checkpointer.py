@@ -40,7 +40,7 @@ from .checkpoint_dir import (
     sha256_of,
     write_state,
 )
-from .memory_stage import StagedFiles
+from .memory_stage import Mappings, StagedFiles
 
 log = logging.getLogger("tierckpt.client.torch")
 
@@ -105,6 +105,7 @@ class TorchCheckpointer:
             raise ValueError(f"staging must be 'memory', 'disk' or None, not {staging!r}")
         self.staging = staging
         self._memory: MemoryInfo | None = None
+        self._mappings = Mappings()  # of the segments written last (memory_stage.py)
         self.client = client
         self.run = run
         self.root = Path(os.path.abspath(root))
@@ -264,7 +265,7 @@ class TorchCheckpointer:
         if segment is None:
             return None
         try:
-            files.write(Path(segment.path))
+            files.write(Path(segment.path), self._mappings)
         except OSError as exc:  # the arena's file system is full after all
             log.warning(
                 "%s step %d: memory staging failed (%s); writing to disk", self.run, step, exc

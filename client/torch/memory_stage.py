@@ -14,15 +14,23 @@ written into a segment the agent reserved in its arena (a tmpfs):
 * ``state.json`` and ``objects.pt`` are small and written as usual.
 
 Sizes are known before anything is written, so the reservation is exact.
-``pwrite`` rather than a shared mapping: a tmpfs out of room then fails the
-write with ENOSPC (the trainer falls back to T0) instead of killing the
-trainer with SIGBUS.
+
+The agent hands out every file at its size, often a freed segment's file
+whose pages exist already (service/memory/spares.py). Such a file, fully
+allocated, is written through a shared mapping (:class:`Mappings`), kept
+for the next saves: the same inode comes back a save or two later, and a
+copy into a mapping that is already populated costs what a bare memcpy
+does (mapping 600 MB anew costs as much again). A file with holes is
+written with ``pwrite`` instead: on a tmpfs out of room that fails with
+ENOSPC (the trainer then writes to T0), where a store into a mapping
+would kill the trainer with SIGBUS.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -111,13 +119,18 @@ def safetensors_layout(
     )
 
 
-def _raw(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes as a buffer over its own memory (no copy)."""
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor over its own memory (a
+    copy only for a GPU or non-contiguous tensor)."""
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    flat = flat.contiguous().view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
+    return flat.contiguous().view(torch.uint8)
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a buffer over its own memory (no copy)."""
+    return memoryview(_flat_bytes(tensor).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -127,6 +140,68 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(f"short write at offset {offset + done}")
         done += n
+
+
+class Mappings:
+    """Shared mappings of the segment files a trainer wrote in its last
+    ``KEEP`` saves, by inode: the agent recycles a freed segment's files, so
+    the next saves often write into an inode mapped already.
+
+    A kept mapping pins its file's pages: if the agent deletes the file (to
+    make room) the pages stay allocated until the trainer's next saves drop
+    the mapping, at most ``KEEP`` segments per trainer.
+    """
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        # (dev, inode) -> (its own descriptor, the mapping, a view of it)
+        self._maps: dict[tuple[int, int], tuple[int, mmap.mmap, torch.Tensor]] = {}
+        self._recent: list[set[tuple[int, int]]] = []
+
+    def target(self, fd: int, size: int, used: set[tuple[int, int]]) -> torch.Tensor | None:
+        """A uint8 tensor over the first ``size`` bytes of open file ``fd``,
+        or None when the file has holes (write it with pwrite)."""
+        info = os.fstat(fd)
+        if size == 0 or info.st_size < size or info.st_blocks * 512 < size:
+            return None
+        key = (info.st_dev, info.st_ino)
+        found = self._maps.get(key)
+        # The kept descriptor holds the inode, so its number is not given to
+        # another file while it is kept; a file deleted since (no link left)
+        # is dropped.
+        if found is None or len(found[1]) < size or os.fstat(found[0]).st_nlink == 0:
+            self._drop(key)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, info.st_size, flags=flags)
+            found = (os.dup(fd), mapping, torch.frombuffer(mapping, dtype=torch.uint8))
+            self._maps[key] = found
+        used.add(key)
+        return found[2][:size]
+
+    def saved(self, used: set[tuple[int, int]]) -> None:
+        """One save done: keep the mappings of the last ``KEEP`` saves."""
+        self._recent = [*self._recent, used][-self.KEEP :]
+        alive = set().union(*self._recent)
+        for key in [k for k in self._maps if k not in alive]:
+            self._drop(key)
+
+    def close(self) -> None:
+        for key in list(self._maps):
+            self._drop(key)
+        self._recent = []
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        found = self._maps.pop(key, None)
+        if found is None:
+            return
+        kept, mapping, view = found
+        del view, found
+        os.close(kept)
+        try:
+            mapping.close()
+        except BufferError:  # a view is still referenced: the collector unmaps it
+            pass
 
 
 @dataclass
@@ -157,17 +232,31 @@ class StagedFiles:
             sizes[OBJECTS_FILE] = len(buffer.getvalue())
         return sizes
 
-    def write(self, directory: Path) -> None:
-        """Write every file into ``directory`` (the segment's, existing)."""
+    def write(self, directory: Path, mappings: Mappings | None = None) -> None:
+        """Write every file into ``directory`` (the segment's: the agent
+        created each file at its size), through ``mappings`` where it can."""
+        used: set[tuple[int, int]] = set()
         for name, layout in self.layouts.items():
-            fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+            fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                _pwrite_all(fd, memoryview(layout.header), 0)
-                for offset, tensor in layout.tensors:
-                    if tensor.numel():
-                        _pwrite_all(fd, _raw(tensor), offset)
+                target = mappings.target(fd, layout.size, used) if mappings else None
+                if target is None:
+                    _pwrite_all(fd, memoryview(layout.header), 0)
+                    for offset, tensor in layout.tensors:
+                        if tensor.numel():
+                            _pwrite_all(fd, _raw(tensor), offset)
+                else:
+                    header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+                    target[: len(layout.header)].copy_(header)
+                    for offset, tensor in layout.tensors:
+                        if tensor.numel():
+                            raw = _flat_bytes(tensor)
+                            target[offset : offset + raw.numel()].copy_(raw)
+                    del target
             finally:
                 os.close(fd)
+        if mappings is not None:
+            mappings.saved(used)
         for name, data in self.small.items():
             (directory / name).write_bytes(data)
         if self.objects is not None:

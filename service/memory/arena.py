@@ -13,7 +13,9 @@ A segment is a directory ``seg-<id>/`` holding
   the segment is only a cache for fast restarts and may be freed any time.
 
 Segments are files (on a tmpfs by default), so they outlive the trainer and
-the agent; the accounting is rebuilt from them at start (``open``). Nothing
+the agent; the accounting is rebuilt from them at start (``open``). The
+files of a freed segment are kept as spares for the next reservation
+(spares.py): the trainer then writes into pages that exist already. Nothing
 is fsynced here: a tmpfs has nothing to sync, and a reboot loses the memory
 (staged checkpoints included, which the documentation says).
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ApiError, BadInput, Conflict, NotFound
+from .spares import SparePool
 
 RESERVATION = "reservation.json"
 REGISTRATION = "registration.json"
@@ -38,6 +41,7 @@ PERSISTED = "persisted.json"
 FAILED = "failed.json"
 DATA = "data"
 PREFIX = "seg-"
+SPARES = "spare"
 
 
 class MemoryFull(ApiError):
@@ -117,15 +121,17 @@ class Arena:
         self.budget = budget
         self.lease_seconds = lease_seconds
         self.segments: dict[str, Segment] = {}
+        self.spares = SparePool(root / SPARES)
 
     @property
     def used(self) -> int:
-        return sum(s.nbytes for s in self.segments.values())
+        return sum(s.nbytes for s in self.segments.values()) + self.spares.total
 
     def open(self) -> None:
         """Create the directory and rebuild the accounting from the segments
         an earlier life left (staged ones are then persisted by the agent)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.spares.open()
         self.segments.clear()
         for entry in self.root.iterdir():
             if not entry.name.startswith(PREFIX) or not entry.is_dir():
@@ -176,7 +182,7 @@ class Arena:
                 code="segment_too_large",
             )
         self.reclaim_expired()
-        self._make_room(nbytes)
+        recycled = self._make_room(files)
         now = time.time()
         segment = Segment(
             id=uuid.uuid4().hex,
@@ -193,6 +199,16 @@ class Arena:
         segment.directory = self.root / f"{PREFIX}{segment.id}"
         segment.directory.mkdir(mode=0o700)
         segment.data.mkdir()
+        # Every file is there at its size before the trainer gets the segment:
+        # a spare's pages, or a sparse new file.
+        for relative, size in files.items():
+            path = segment.data / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if relative in recycled:
+                self.spares.take(recycled[relative], path, size)
+            else:
+                with open(path, "xb") as handle:
+                    handle.truncate(size)
         write_json_atomically(
             segment.directory / RESERVATION,
             {
@@ -210,26 +226,38 @@ class Arena:
         self.segments[segment.id] = segment
         return segment
 
-    def _make_room(self, nbytes: int) -> None:
+    def _make_room(self, files: dict[str, int]) -> dict[str, Path]:
+        """Free what the reservation of ``files`` needs (spares it does not
+        reuse, then persisted segments, oldest first, whose files become
+        spares it may reuse); the spares it reuses, or MemoryFull."""
+        nbytes = sum(files.values())
         evictable = sorted(
             (s for s in self.segments.values() if s.state in ("persisted", "failed")),
             key=lambda s: s.created,
         )
-        while self.used + nbytes > self.budget and evictable:
+        while True:
+            plan = self.spares.plan(files)
+            fresh = nbytes - sum(self.spares.files[p] for p in plan.values())
+            over = self.used + fresh - self.budget
+            if over <= 0:
+                break
+            if self.spares.evict(over, keep=plan.values()) >= over:
+                continue
+            if not evictable:
+                raise MemoryFull(
+                    f"the memory tier holds {self.used} of {self.budget} bytes in "
+                    f"checkpoints not yet on T0; {nbytes} more do not fit. Space frees as "
+                    "the agent writes them to T0 ([memory] when_full says whether saves "
+                    "wait or write to T0)"
+                )
             self.release(evictable.pop(0).id)
-        if self.used + nbytes > self.budget:
-            raise MemoryFull(
-                f"the memory tier holds {self.used} of {self.budget} bytes in checkpoints "
-                f"not yet on T0; {nbytes} more do not fit. Space frees as the agent "
-                "writes them to T0 ([memory] when_full says whether saves wait or "
-                "write to T0)"
-            )
         free = self._free_bytes()
-        if free is not None and free < nbytes:
+        if free is not None and free < fresh:
             raise MemoryFull(
                 f"the arena's file system ({self.root}) has {free} bytes free, "
-                f"{nbytes} are needed; lower [memory] bytes or give /dev/shm more room"
+                f"{fresh} are needed; lower [memory] bytes or give /dev/shm more room"
             )
+        return plan
 
     def _free_bytes(self) -> int | None:
         try:
@@ -307,9 +335,16 @@ class Arena:
         segment.failed = error
 
     def release(self, segment_id: str) -> None:
+        """Free a segment; its files become spares (their pages stay)."""
         segment = self.segments.pop(segment_id, None)
-        if segment is not None:
-            shutil.rmtree(segment.directory, ignore_errors=True)
+        if segment is None:
+            return
+        for dirpath, _dirnames, filenames in os.walk(segment.data):
+            for name in filenames:
+                path = Path(dirpath) / name
+                if path.is_file() and not path.is_symlink():
+                    self.spares.add(path)
+        shutil.rmtree(segment.directory, ignore_errors=True)
 
     def staged(self) -> list[Segment]:
         """Segments waiting to be written to T0, oldest first."""

@@ -150,10 +150,16 @@ async def test_full_arena_answers_507_and_frees_space_as_segments_persist(
             "/v1/memory/segments", json={"run": "full", "step": 2, "files": _sizes(big)}
         )
         assert again.status_code == 201, again.text
-        # Given back (a save that goes to disk after all): the room is free.
+        # Given back (a save that goes to disk after all): its files are
+        # spares, whose room the next reservation gets.
         released = await agent.http.delete(f"/v1/memory/segments/{again.json()['id']}")
         assert released.status_code == 200
-        assert (await agent.http.get("/v1/memory")).json()["used"] == 0
+        info = (await agent.http.get("/v1/memory")).json()
+        assert info["segments"] == [] and info["used"] == 600_000
+        reused = await agent.http.post(
+            "/v1/memory/segments", json={"run": "full", "step": 3, "files": _sizes(big)}
+        )
+        assert reused.status_code == 201, reused.text
 
 
 async def test_bad_segments_are_refused_with_a_reason(catalog_url: str, tmp_path: Path) -> None:
@@ -178,7 +184,8 @@ async def test_bad_segments_are_refused_with_a_reason(catalog_url: str, tmp_path
         ).json()
         url = f"/v1/memory/segments/{reserved['id']}/register"
         body = {"run": "bad", "step": 1, "path": str(agent.ssd / "bad" / "step-1")}
-        # Not written yet.
+        # A file shorter than reserved (the trainer wrote less).
+        (Path(reserved["path"]) / "a").write_bytes(b"ab")
         incomplete = await agent.http.post(url, json=body)
         assert incomplete.status_code == 400
         assert incomplete.json()["error"]["code"] == "segment_incomplete"

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tierckpt.client.torch.checkpoint_dir import encode_state, write_state  # noqa: E402
 from tierckpt.client.torch.memory_stage import (  # noqa: E402
     DTYPES,
+    Mappings,
     StagedFiles,
     safetensors_layout,
 )
@@ -80,6 +81,39 @@ def test_a_segment_that_cannot_be_written_raises_instead_of_crashing(tmp_path: P
         staged.write(tmp_path / "missing")
 
 
+def test_recycled_files_are_written_through_kept_mappings(tmp_path: Path) -> None:
+    arena = Arena(tmp_path / "arena", budget=10 << 20, lease_seconds=60)
+    arena.open()
+    mappings = Mappings()
+    model = torch.nn.Linear(64, 64)
+    inodes = []
+    for step in range(1, 7):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        staged = StagedFiles.of(encode_state(step=step, model=model))
+        segment = arena.reserve("r", step, 0, 1, staged.sizes())
+        staged.write(segment.data, mappings)
+        arena.check_complete(segment)
+        write_state(tmp_path / f"disk-{step}", fsync=False, step=step, model=model)
+        for name in staged.sizes():
+            assert (segment.data / name).read_bytes() == (
+                tmp_path / f"disk-{step}" / name
+            ).read_bytes(), (step, name)
+        inodes.append((segment.data / "model.safetensors").stat().st_ino)
+        arena.mark_persisted(segment, f"/t0/{step}")
+        arena.free_older(segment, keep_newest=True)
+        if step == 4:
+            mapped = {key: found[1] for key, found in mappings._maps.items()}
+    # Steps 1 and 2 wrote sparse new files (pwrite); every later step got the
+    # files of the step before last back. Steps 3 and 4 mapped them; steps 5
+    # and 6 wrote through those same mappings: none was added.
+    assert inodes[2] == inodes[4] == inodes[0] and inodes[3] == inodes[5] == inodes[1]
+    assert len(mappings._maps) == 4  # two saves × two safetensors files
+    assert {key: found[1] for key, found in mappings._maps.items()} == mapped
+    mappings.close()
+    assert mappings._maps == {}
+
+
 def _files(size: int) -> dict[str, int]:
     return {"a.bin": size}
 
@@ -106,14 +140,19 @@ def test_budget_refuses_then_evicts_persisted_segments(tmp_path: Path) -> None:
     assert not first.directory.exists()
 
 
-def test_incomplete_segments_are_refused(tmp_path: Path) -> None:
+def test_segments_that_do_not_hold_the_reserved_files_are_refused(tmp_path: Path) -> None:
     arena = Arena(tmp_path / "arena", budget=1000, lease_seconds=60)
     arena.open()
     segment = arena.reserve("r", 1, 0, 1, {"a": 3, "d/b": 2})
+    # Handed out with every file at its size (sparse, or a spare's pages).
+    assert {p.name: p.stat().st_size for p in segment.data.rglob("*") if p.is_file()} == {
+        "a": 3,
+        "b": 2,
+    }
     (segment.data / "a").write_bytes(b"abc")
+    (segment.data / "d" / "b").unlink()
     with pytest.raises(BadInput, match=r"missing \['d/b'\]"):
         arena.check_complete(segment)
-    (segment.data / "d").mkdir()
     (segment.data / "d" / "b").write_bytes(b"toolong")
     with pytest.raises(BadInput, match=r"wrong size \['d/b'\]"):
         arena.check_complete(segment)
@@ -123,6 +162,33 @@ def test_incomplete_segments_are_refused(tmp_path: Path) -> None:
         arena.check_complete(segment)
     (segment.data / "extra").unlink()
     arena.check_complete(segment)
+
+
+def test_freed_segments_give_their_files_to_the_next_reservation(tmp_path: Path) -> None:
+    arena = Arena(tmp_path / "arena", budget=1000, lease_seconds=60)
+    arena.open()
+    first = arena.reserve("r", 1, 0, 1, {"big": 500, "small": 100})
+    inodes = {(first.data / n).stat().st_ino for n in ("big", "small")}
+    arena.mark_persisted(first, "/t0/r/step-1")
+    arena.release(first.id)
+    assert arena.used == 600 and arena.spares.total == 600  # the pages are kept
+    second = arena.reserve("r", 2, 0, 1, {"model": 400, "state": 90, "json": 5})
+    # Each file gets the spare that holds it best; cut to its size.
+    assert (second.data / "model").stat().st_ino in inodes
+    assert (second.data / "state").stat().st_ino in inodes
+    assert (second.data / "json").stat().st_ino not in inodes
+    assert [(second.data / n).stat().st_size for n in ("model", "state", "json")] == [400, 90, 5]
+    assert arena.used == 495 and arena.spares.total == 0
+    # Spares are the first freed when room is needed; kept across restarts.
+    arena.release(second.id)
+    again = Arena(tmp_path / "arena", budget=1000, lease_seconds=60)
+    again.open()
+    assert again.used == 495
+    third = again.reserve("r", 3, 0, 1, {"whole": 900})  # the 400-byte spare, grown
+    assert again.used == 995 and again.spares.total == 95
+    assert (third.data / "whole").stat().st_size == 900
+    again.reserve("r", 4, 0, 1, {"more": 50})  # the 90-byte spare, cut to 50
+    assert again.used == 955 and again.spares.total == 5
 
 
 def test_reopened_arena_rebuilds_its_accounting_and_drops_half_made_segments(
