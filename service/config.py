@@ -324,8 +324,9 @@ class MemorySettings(BaseModel):
     on; the agent writes it to T0 (fsync, rename), then uploads as usual."""
 
     bytes: int = Field(default_factory=default_memory_bytes, ge=0)
-    """Budget of the arena in bytes (segments reserved at once); 0 turns the
-    memory tier off (trainers then write to T0 themselves)."""
+    """Budget of the arena in bytes: the segments it holds, plus the files of
+    freed ones kept for reuse (deleted first when room is needed); 0 turns
+    the memory tier off (trainers then write to T0 themselves)."""
     dir: Path = Field(default_factory=default_memory_dir)
     """Directory of the arenas; each agent uses its own subdirectory (named
     after its node and catalog). Use a tmpfs (RAM): segments are files, so
