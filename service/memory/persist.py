@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ...client._files import fsync_dir
 from ..checkpoints.batching import RegistrationBatcher
+from ..checkpoints.scan import _root_of
 from ..checkpoints.schemas import RegisterRequest
 from ..checkpoints.service import register
 from ..errors import ApiError
@@ -38,7 +39,8 @@ RETRY_BASE, RETRY_MAX = 0.5, 30.0
 
 
 class TargetTaken(Exception):
-    """The T0 path holds other files than the segment's."""
+    """The checkpoint cannot be written there: the T0 path holds other files,
+    or left the roots, or the segment no longer holds its files."""
 
 
 def _same_layout(target: Path, files: dict[str, int]) -> bool:
@@ -50,9 +52,35 @@ def _same_layout(target: Path, files: dict[str, int]) -> bool:
     return found == files
 
 
-def copy_file(source: Path, destination: Path, size: int) -> None:
+def open_beneath(root: Path, relative: str) -> int:
+    """Open ``root/relative`` for reading without following any symlink on
+    the way (the trainer writes into the segment: a directory swapped for a
+    symlink after the registration's check must not make the agent read,
+    and upload, a file from elsewhere)."""
+    parts = relative.split("/")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(
+                part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+            )
+            os.close(fd)
+            fd = inner
+        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def copy_file(segment: Segment, relative: str, destination: Path) -> None:
     """An in-kernel copy (copy_file_range or sendfile), then fsync."""
-    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        src = open_beneath(segment.data, relative)
+    except OSError as exc:  # a symlink on the way, or the file is gone
+        raise TargetTaken(
+            f"the segment's {relative} cannot be read as a plain file ({exc.strerror}); "
+            "it was changed after the registration"
+        ) from exc
+    size = segment.files[relative]
     try:
         dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
@@ -64,7 +92,12 @@ def copy_file(source: Path, destination: Path, size: int) -> None:
         os.close(src)
 
 
-def write_to_t0(segment: Segment, target: Path) -> None:
+def _confined(directory: Path, roots: list[Path]) -> None:
+    if _root_of(Path(os.path.realpath(directory)), roots) is None:
+        raise TargetTaken(f"{directory} no longer resolves under the configured local roots")
+
+
+def write_to_t0(segment: Segment, target: Path, roots: list[Path]) -> None:
     """Copy the segment's files to ``target`` (all or nothing, fsynced)."""
     if target.exists():
         if _same_layout(target, segment.files):
@@ -74,6 +107,7 @@ def write_to_t0(segment: Segment, target: Path) -> None:
             "written there (its bytes stay in the arena until freed)"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
+    _confined(target.parent, roots)
     staging = target.parent / f"{PERSIST_PREFIX}{segment.id}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -82,10 +116,13 @@ def write_to_t0(segment: Segment, target: Path) -> None:
         destination = staging / relative
         destination.parent.mkdir(parents=True, exist_ok=True)
         directories.add(destination.parent)
-        copy_file(segment.data / relative, destination, segment.files[relative])
+        copy_file(segment, relative, destination)
     for directory in directories:
         fsync_dir(directory)
     staging.chmod(0o755)
+    # Checked at staging time; again now, just before the rename: the
+    # directory must still resolve under a configured root.
+    _confined(target.parent, roots)
     os.rename(staging, target)
     fsync_dir(target.parent)
 
@@ -143,7 +180,8 @@ class SegmentPersister:
         assert segment.registration is not None
         request = RegisterRequest.model_validate(segment.registration)
         try:
-            await asyncio.to_thread(write_to_t0, segment, Path(request.path))
+            roots = self.resources.settings.local.roots
+            await asyncio.to_thread(write_to_t0, segment, Path(request.path), roots)
             # No drain check: the agent accepted this checkpoint when it was staged.
             await register(self.resources, self.registrations, request)
         except (ApiError, TargetTaken) as exc:

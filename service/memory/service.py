@@ -27,7 +27,7 @@ from ..draining import DrainState
 from ..errors import BadInput, Conflict
 from ..names import RUN_PATTERN, not_a_dot_segment
 from ..resources import Resources
-from .arena import Arena, Segment
+from .arena import Arena, MemoryFull, Segment
 from .persist import SegmentPersister
 
 MAX_FILE_BYTES = 2**50
@@ -125,6 +125,14 @@ class MemoryTier:
             if path in files:
                 raise BadInput(f"files[].path {path!r} is listed twice", code="invalid_file_name")
             files[path] = entry.size
+        directories = {
+            "/".join(p.split("/")[:i]) for p in files for i in range(1, p.count("/") + 1)
+        }
+        if clash := sorted(directories & files.keys()):
+            raise BadInput(
+                f"files[].path {clash[0]!r} is both a file and a directory",
+                code="invalid_file_name",
+            )
         if any(
             s.rank == request.rank and s.step == request.step
             for s in self.arena.of_run(request.run, ("reserved", "staged"))
@@ -134,9 +142,15 @@ class MemoryTier:
                 "memory already",
                 code="segment_exists",
             )
-        segment = self.arena.reserve(
-            request.run, request.step, request.rank, request.world_size, files
-        )
+        try:
+            segment = self.arena.reserve(
+                request.run, request.step, request.rank, request.world_size, files
+            )
+        except OSError as exc:  # the arena's file system refused (full, gone)
+            raise MemoryFull(
+                f"the memory tier could not create the segment ({exc.strerror}); "
+                "the checkpoint goes to T0",
+            ) from exc
         return SegmentOut(
             id=segment.id,
             path=str(segment.data),

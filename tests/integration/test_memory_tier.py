@@ -169,6 +169,7 @@ async def test_bad_segments_are_refused_with_a_reason(catalog_url: str, tmp_path
             ([{"path": "/abs", "size": 1}], "invalid_file_name"),
             ([{"path": "a", "size": 1}, {"path": "a", "size": 2}], "invalid_file_name"),
             ([{"path": "a", "size": -1}], "invalid_request"),
+            ([{"path": "d", "size": 1}, {"path": "d/b", "size": 1}], "invalid_file_name"),
         ):
             answer = await agent.http.post(
                 "/v1/memory/segments", json={"run": "bad", "step": 1, "files": files}
@@ -232,3 +233,31 @@ async def test_restarted_agent_persists_what_an_earlier_life_staged(
         assert (ssd / "again" / "step-5" / "model.bin").read_bytes() == FILES["model.bin"]
         assert not leftover.exists()
         await asyncio.sleep(0)
+
+
+async def test_a_directory_swapped_for_a_symlink_is_not_followed(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    secret = tmp_path / "elsewhere"
+    secret.mkdir()
+    (secret / "state.json").write_bytes(b'{"secret": "x"}\n')  # same name and size
+    async with running_agent(catalog_url, tmp_path, memory={"bytes": 10 << 20}) as agent:
+        memory = agent.process.memory
+        assert memory is not None
+        await memory.persister.stop()
+        files = {"nested/state.json": b'{"step": 77}\n'}
+        staged = await stage(agent, "swap", 1, files)
+        data = Path(staged["segment"]["path"])
+        (data / "nested" / "state.json").unlink()
+        (data / "nested").rmdir()
+        (data / "nested").symlink_to(secret)
+        memory.persister.start()
+        memory.persister.wake()
+        deadline = asyncio.get_running_loop().time() + 30
+        while (answer := (await agent.http.get("/v1/runs/swap/checkpoints/1")).json())[
+            "state"
+        ] == "staged":
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        assert answer["state"] == "failed", answer
+        assert not staged["target"].exists()
