@@ -101,6 +101,8 @@ class AgentProcess:
         self.memory: MemoryTier | None = None
         if worker is not None and resources.settings.memory.bytes > 0:
             self.memory = MemoryTier(resources, registrations, self.drain)
+            # Uploads read a staged checkpoint from memory while T0 is written.
+            resources.open_in_memory = self.memory.open_file
         # Seconds the worker's running jobs get at close (None: shutdown_timeout).
         self._worker_grace: float | None = None
 

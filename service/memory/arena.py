@@ -204,9 +204,7 @@ class Arena:
         for relative, size in files.items():
             path = segment.data / relative
             path.parent.mkdir(parents=True, exist_ok=True)
-            if relative in recycled:
-                self.spares.take(recycled[relative], path, size)
-            else:
+            if relative not in recycled or not self.spares.take(recycled[relative], path, size):
                 with open(path, "xb") as handle:
                     handle.truncate(size)
         write_json_atomically(

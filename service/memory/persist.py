@@ -1,16 +1,22 @@
-"""Writing staged segments to T0, then registering them as a disk save would.
+"""Registering staged segments as a disk save would, and writing them to T0.
 
-One segment at a time (T0's bandwidth is the limit, not the CPU): its files
-are copied into a hidden sibling of the T0 path the trainer asked for,
-fsynced, and the directory renamed into place, so T0 shows all or nothing,
-as a trainer's own save does. Then the ordinary registration runs (scan,
-group commit, upload job): the same code path as ``POST /v1/checkpoints``.
+One segment at a time (T0's bandwidth is the limit, not the CPU). First the
+registration, through the registration writer's group commit (the code path
+of ``POST /v1/checkpoints``), with the segment's listing as that of the T0
+path it will have: the upload job starts at once and reads the files from
+the segment (service.py, ``open_file``), so the upload does not wait for
+the T0 copy. Then the files are copied into a hidden sibling of that T0
+path, given the segment files' mtimes (the registered ones), fsynced, and
+the directory renamed into place: T0 shows all or nothing, as a trainer's
+own save does.
 
 Killed at any moment, the agent finds the segment still staged at restart
-(``persisted.json`` is written only after the registration is committed),
-drops the hidden directory of the attempt and starts over; a T0 directory
-renamed into place before the kill is recognised (same files and sizes) and
-registered as it is.
+(``persisted.json`` is written last), registers it again (the same listing:
+answered as already registered), drops the hidden directory of the attempt
+and copies again; a T0 directory renamed into place before the kill is
+recognised (same files and sizes) and kept. Should the memory be lost with
+the node before T0 holds the files, the upload finds neither copy and fails
+the checkpoint: it never becomes durable with bytes it does not have.
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ from pathlib import Path
 
 from ...client._files import fsync_dir
 from ..checkpoints.batching import RegistrationBatcher
-from ..checkpoints.scan import _root_of
+from ..checkpoints.scan import ScannedFile, ScannedShard, _root_of
 from ..checkpoints.schemas import RegisterRequest
-from ..checkpoints.service import register
+from ..checkpoints.service import submit_scanned
 from ..errors import ApiError
 from ..resources import Resources
 from ..storage.posix import _kernel_copy
@@ -85,6 +91,9 @@ def copy_file(segment: Segment, relative: str, destination: Path) -> None:
         dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             _kernel_copy(src, dst, size)
+            # The registered mtime: the upload's and the T0 checks compare it.
+            info = os.fstat(src)
+            os.utime(dst, ns=(info.st_atime_ns, info.st_mtime_ns))
             os.fsync(dst)
         finally:
             os.close(dst)
@@ -125,6 +134,28 @@ def write_to_t0(segment: Segment, target: Path, roots: list[Path]) -> None:
     _confined(target.parent, roots)
     os.rename(staging, target)
     fsync_dir(target.parent)
+
+
+def scan_segment(segment: Segment, target: Path) -> ScannedShard:
+    """The segment's files listed as registration lists a directory (names,
+    sizes, mtimes), as the T0 directory ``target`` will hold them."""
+    files = []
+    for relative in sorted(segment.files):
+        try:
+            fd = open_beneath(segment.data, relative)
+        except OSError as exc:
+            raise TargetTaken(
+                f"the segment's {relative} cannot be read as a plain file ({exc.strerror}); "
+                "it was changed after the registration"
+            ) from exc
+        try:
+            info = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if info.st_size != segment.files[relative]:
+            raise TargetTaken(f"the segment's {relative} changed size after the registration")
+        files.append(ScannedFile(path=relative, size=info.st_size, mtime_ns=info.st_mtime_ns))
+    return ScannedShard(directory=target, files=files)
 
 
 class SegmentPersister:
@@ -179,11 +210,12 @@ class SegmentPersister:
     async def persist(self, segment: Segment) -> None:
         assert segment.registration is not None
         request = RegisterRequest.model_validate(segment.registration)
+        target, roots = Path(request.path), self.resources.settings.local.roots
         try:
-            roots = self.resources.settings.local.roots
-            await asyncio.to_thread(write_to_t0, segment, Path(request.path), roots)
+            scanned = await asyncio.to_thread(scan_segment, segment, target)
             # No drain check: the agent accepted this checkpoint when it was staged.
-            await register(self.resources, self.registrations, request)
+            await submit_scanned(self.registrations, request, scanned)
+            await asyncio.to_thread(write_to_t0, segment, target, roots)
         except (ApiError, TargetTaken) as exc:
             if isinstance(exc, ApiError) and exc.status >= 500:
                 self._retry_later(segment, exc)

@@ -9,6 +9,7 @@ the bytes (persist.py). Until then this agent answers for it with the state
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -28,7 +29,7 @@ from ..errors import BadInput, Conflict
 from ..names import RUN_PATTERN, not_a_dot_segment
 from ..resources import Resources
 from .arena import Arena, MemoryFull, Segment
-from .persist import SegmentPersister
+from .persist import SegmentPersister, open_beneath
 
 MAX_FILE_BYTES = 2**50
 
@@ -205,6 +206,31 @@ class MemoryTier:
                 f"path {path!r} is outside the configured local roots ({roots})",
                 code="path_outside_roots",
             )
+
+    def open_file(self, shard_path: Path, relative: str) -> int | None:
+        """The memory copy of a registered T0 file, open for reading under a
+        shared lock (no spare is handed out while it is held: spares.py), or
+        None. Called from upload threads: reads a snapshot of the segments."""
+        target = str(shard_path)
+        for segment in list(self.arena.segments.values()):
+            registration = segment.registration or {}
+            if (
+                registration.get("path") != target
+                or segment.state not in ("staged", "persisted")
+                or relative not in segment.files
+            ):
+                continue
+            try:
+                fd = open_beneath(segment.data, relative)
+            except OSError:
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # being handed out as a spare right now
+                os.close(fd)
+                return None
+            return fd
+        return None
 
     def release(self, segment_id: str) -> None:
         segment = self.arena.get(segment_id)

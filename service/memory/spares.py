@@ -9,10 +9,18 @@ inode unchanged, through a mapping it may have kept: client/torch/memory_stage.p
 
 Spares count against the arena's budget like segments and are the first
 thing deleted when room is needed.
+
+An upload may still read a freed segment's file (it reads a checkpoint from
+memory while the agent writes it to T0): it holds a shared ``flock`` on it
+(service.py, ``open_file``). A spare is only handed out under an exclusive
+one; one being read is left alone (the reservation gets a new file), since
+rewriting it would change the bytes under the upload. Deleting it is
+harmless: the reader keeps its descriptor.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import uuid
 from collections.abc import Iterable
@@ -59,11 +67,23 @@ class SparePool:
             del left[pick]
         return chosen
 
-    def take(self, spare: Path, destination: Path, size: int) -> None:
-        """Move ``spare`` to ``destination``, cut (or grown) to ``size``."""
-        os.rename(spare, destination)
-        os.truncate(destination, size)
+    def take(self, spare: Path, destination: Path, size: int) -> bool:
+        """Move ``spare`` to ``destination``, cut (or grown) to ``size``;
+        False (nothing done) while an upload still reads it."""
+        fd = os.open(spare, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            os.rename(spare, destination)
+            # Truncating moves the mtime too: a reader that opened it just
+            # before the lock sees the file changed and reads T0 instead.
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
         del self.files[spare]
+        return True
 
     def evict(self, nbytes: int, keep: Iterable[Path] = ()) -> int:
         """Delete spares (largest first, never those in ``keep``) until

@@ -261,3 +261,29 @@ async def test_a_directory_swapped_for_a_symlink_is_not_followed(
             await asyncio.sleep(0.05)
         assert answer["state"] == "failed", answer
         assert not staged["target"].exists()
+
+
+async def test_the_upload_reads_memory_while_t0_cannot_be_written_yet(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, memory={"bytes": 10 << 20}) as agent:
+        # The run's T0 directory cannot be created (a file is in the way):
+        # the copy to T0 keeps failing and is retried.
+        blocker = agent.ssd / "blocked"
+        blocker.write_bytes(b"")
+        staged = await stage(agent, "blocked", 1)
+        done = await agent.wait_state("blocked", 1)
+        assert {f["path"] for f in done["files"]} == set(FILES)
+        memory = (await agent.http.get("/v1/memory")).json()
+        assert [s["state"] for s in memory["segments"]] == ["staged"]
+        assert not staged["target"].exists()
+        # Once T0 can be written, the segment reaches it; the region has the bytes.
+        blocker.unlink()
+        deadline = asyncio.get_running_loop().time() + 60
+        while (await agent.http.get("/v1/memory")).json()["segments"][0]["state"] != "persisted":
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        for relative, data in FILES.items():
+            assert (staged["target"] / relative).read_bytes() == data
+            region = tmp_path / "region-local" / "blocked" / "step-000000000001" / "rank-00000"
+            assert (region / relative).read_bytes() == data

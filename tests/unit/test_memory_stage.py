@@ -114,6 +114,28 @@ def test_recycled_files_are_written_through_kept_mappings(tmp_path: Path) -> Non
     assert mappings._maps == {}
 
 
+def test_a_spare_still_read_by_an_upload_is_not_handed_out(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    arena = Arena(tmp_path / "arena", budget=1000, lease_seconds=60)
+    arena.open()
+    first = arena.reserve("r", 1, 0, 1, {"a": 100})
+    (first.data / "a").write_bytes(b"x" * 100)
+    reader = os.open(first.data / "a", os.O_RDONLY)  # an upload reading it from memory
+    fcntl.flock(reader, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    arena.mark_persisted(first, "/t0/r/step-1")
+    arena.release(first.id)
+    second = arena.reserve("r", 2, 0, 1, {"a": 100})
+    # A new file, not the one being read, whose bytes stay as they were.
+    assert os.fstat(reader).st_ino != (second.data / "a").stat().st_ino
+    assert os.pread(reader, 100, 0) == b"x" * 100
+    os.close(reader)
+    arena.release(second.id)
+    third = arena.reserve("r", 3, 0, 1, {"a": 100})
+    assert arena.used <= 1000 and (third.data / "a").stat().st_size == 100
+
+
 def _files(size: int) -> dict[str, int]:
     return {"a.bin": size}
 
