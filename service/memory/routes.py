@@ -64,6 +64,7 @@ async def release_segment(
     segment_id: str, agent: AgentDep, principal: PrincipalDep
 ) -> dict[str, str]:
     """Give back a reservation that will not be registered (a failed save)."""
+    authorize(principal, Action.WRITE)  # the role first, the run once it is known
     tier = _tier(agent)
     authorize(principal, Action.WRITE, tier.arena.get(segment_id).run)
     tier.release(segment_id)
