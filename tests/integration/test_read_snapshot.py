@@ -21,9 +21,7 @@ from .conftest import Seeded
 
 
 async def _state(session: AsyncSession, checkpoint_id: int) -> str:
-    return str(
-        await session.scalar(select(Checkpoint.state).where(Checkpoint.id == checkpoint_id))
-    )
+    return str(await session.scalar(select(Checkpoint.state).where(Checkpoint.id == checkpoint_id)))
 
 
 async def _second_read_sees_the_first_snapshot(
@@ -60,9 +58,7 @@ async def test_get_request_sessions_read_one_snapshot(
     engine = writers.kw["bind"]
     read_engine = create_read_sessionmaker(engine)
     try:
-        await _second_read_sees_the_first_snapshot(
-            reading(read_engine), writers, checkpoint_id
-        )
+        await _second_read_sees_the_first_snapshot(reading(read_engine), writers, checkpoint_id)
     finally:
         await dispose_read_engine(read_engine, engine)
 
