@@ -42,7 +42,7 @@ from .jobs.worker import JobHandler, Worker
 from .memory.service import MemoryTier
 from .periodic import Periodic
 from .replication.jobs import ReplicationJobs
-from .resources import Resources
+from .resources import Resources, no_memory_tier
 from .retention.jobs import DeleteJobs
 from .retention.sweeper import sweep
 from .uploads.jobs import UploadJobs
@@ -153,9 +153,20 @@ class AgentProcess:
         if self.worker is not None:
             components.append(("worker", self.worker))
         if self.memory is not None:
-            # Segments an earlier life staged are persisted first thing.
-            self.memory.open()
-            components.append(("memory persister", self.memory.persister))
+            try:
+                # Segments an earlier life staged are persisted first thing.
+                self.memory.open()
+                components.append(("memory persister", self.memory.persister))
+            except OSError as exc:
+                # Trainers then write to T0 themselves: slower saves, none lost.
+                log.error(
+                    "memory tier off: its directory %s cannot be used (%s); set [memory] dir "
+                    "to a directory this agent may write, or [memory] bytes = 0",
+                    self.memory.arena.root,
+                    exc,
+                )
+                self.memory = None
+                self.resources.open_in_memory = no_memory_tier
         components += [(f"{p.name} pass", p) for p in self.passes]
         for name, component in components:
             task = component.start()

@@ -36,7 +36,7 @@ def _no_worker() -> None:
     """The wake-up of an agent that runs no worker: nobody to wake."""
 
 
-def _no_memory_tier(shard_path: Path, relative: str) -> int | None:
+def no_memory_tier(shard_path: Path, relative: str) -> int | None:
     """An agent without a memory tier holds no file anywhere but on T0."""
     return None
 
@@ -59,7 +59,7 @@ class Resources:
     # (shard path, relative path), or None: an upload reads a checkpoint
     # staged in memory from there while the agent still writes it to T0.
     # Set by the agent's assembly when it has a memory tier.
-    open_in_memory: Callable[[Path, str], int | None] = field(default=_no_memory_tier)
+    open_in_memory: Callable[[Path, str], int | None] = field(default=no_memory_tier)
 
 
 async def open_resources(settings: Settings) -> Resources:

@@ -214,6 +214,22 @@ async def test_agent_without_memory_tier_says_so(catalog_url: str, tmp_path: Pat
         assert answer.json()["error"]["code"] == "memory_off"
 
 
+async def test_an_unusable_memory_directory_turns_the_tier_off_not_the_agent(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    taken = tmp_path / "not-a-directory"
+    taken.write_bytes(b"")
+    async with running_agent(
+        catalog_url, tmp_path, memory={"bytes": 10 << 20, "dir": str(taken)}
+    ) as agent:
+        assert (await agent.http.get("/v1/memory")).json()["enabled"] is False
+        assert (await agent.http.get("/healthz")).status_code == 200
+        refused = await agent.http.post(
+            "/v1/memory/segments", json={"run": "off", "step": 1, "files": _sizes(FILES)}
+        )
+        assert refused.json()["error"]["code"] == "memory_off"
+
+
 async def test_restarted_agent_persists_what_an_earlier_life_staged(
     catalog_url: str, tmp_path: Path
 ) -> None:
