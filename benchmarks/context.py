@@ -145,6 +145,18 @@ def s3_region(name: str, seaweed: SeaweedServer, prefix: str = REGION_PREFIX) ->
     }
 
 
+# The memory tier's budget: room for two of trainer_stall's largest state
+# (~2 GB: the newest kept for restarts plus the next save) and to spare.
+MEMORY_BYTES = 6 << 30
+
+
+def memory_dir(work: Path) -> Path:
+    """The agents' memory tier: in /dev/shm (RAM) as in production, one
+    directory per benchmark run, removed at its end."""
+    shm = Path("/dev/shm")
+    return shm / work.name if shm.is_dir() else work / "memory"
+
+
 def agent_settings(work: Path, ssd: Path, seaweed: SeaweedServer, name: str) -> dict[str, Any]:
     """The agent's configuration: service defaults except where noted."""
     return {
@@ -160,6 +172,7 @@ def agent_settings(work: Path, ssd: Path, seaweed: SeaweedServer, name: str) -> 
         # No drain on SIGTERM: a scenario's agent stops at once and gives
         # back what is left, so each scenario starts from a quiet agent.
         "worker": {"drain_seconds": 0},
+        "memory": {"bytes": MEMORY_BYTES, "dir": str(memory_dir(work))},
         "regions": [s3_region("bench-east", seaweed)],
     }
 
@@ -249,6 +262,8 @@ def environment(quick: bool, reps: int, workdir: str | None, keep: bool) -> Iter
                 started.process.kill()
         with contextlib.suppress(Exception):
             seaweed.stop()
+        # The memory tier keeps each run's newest checkpoint: never left in RAM.
+        shutil.rmtree(memory_dir(work), ignore_errors=True)
         if keep:
             log(f"kept {work}")
         else:

@@ -25,6 +25,8 @@ from .models import (
     Checkpoint,
     CheckpointRef,
     Lineage,
+    MemoryInfo,
+    MemorySegment,
     RestorePlan,
     RunSummary,
 )
@@ -188,15 +190,46 @@ def runs(*, limit: int | None = None, offset: int | None = None) -> Call[list[Ru
 
 
 def latest(
-    run: str, *, region: str | None = None, node: str | None = None
+    run: str, *, region: str | None = None, node: str | None = None, scope: str | None = None
 ) -> Call[Checkpoint | None]:
     return Call(
         "GET",
         f"/v1/runs/{_seg(run)}/latest",
         _checkpoint,
-        params=_query(region=region, node=node),
+        params=_query(region=region, node=node, scope=scope),
         none_on_404=True,
     )
+
+
+def memory_info() -> Call[MemoryInfo]:
+    return Call("GET", "/v1/memory", MemoryInfo.model_validate)
+
+
+def reserve_segment(
+    run: str, step: int, files: Mapping[str, int], *, rank: int = 0, world_size: int = 1
+) -> Call[MemorySegment]:
+    body = {
+        "run": run,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "files": [{"path": path, "size": size} for path, size in files.items()],
+    }
+    return Call("POST", "/v1/memory/segments", MemorySegment.model_validate, body=body)
+
+
+def register_segment(segment_id: str, registration: Call[Checkpoint]) -> Call[Checkpoint]:
+    """``registration`` (built by :func:`register`) sent for a memory segment."""
+    return Call(
+        "POST",
+        f"/v1/memory/segments/{_seg(segment_id)}/register",
+        _checkpoint,
+        body=registration.body,
+    )
+
+
+def release_segment(segment_id: str) -> Call[None]:
+    return Call("DELETE", f"/v1/memory/segments/{_seg(segment_id)}", lambda _data: None)
 
 
 def restore_plan(

@@ -29,7 +29,16 @@ from ._download import TransferOptions
 from ._download_transport import download_transport
 from ._effects import Flow
 from .errors import NotFoundError, ServerError, error_from_transport
-from .models import Advice, Checkpoint, CheckpointRef, Lineage, RestorePlan, RunSummary
+from .models import (
+    Advice,
+    Checkpoint,
+    CheckpointRef,
+    Lineage,
+    MemoryInfo,
+    MemorySegment,
+    RestorePlan,
+    RunSummary,
+)
 from .restore import Progress, check_destination, restore_from_plan
 
 T = TypeVar("T")
@@ -181,10 +190,75 @@ class ClientCore:
         return self._send(_api.runs(limit=limit, offset=offset))
 
     def _latest(
-        self, run: str, region: str | None = None, node: str | None = None
+        self,
+        run: str,
+        region: str | None = None,
+        node: str | None = None,
+        scope: str | None = None,
     ) -> Flow[Checkpoint | None]:
-        """The latest valid checkpoint of ``run`` with its locations, or None."""
-        return self._send(_api.latest(run, region=region, node=node))
+        """The latest valid checkpoint of ``run`` with its locations, or None.
+
+        ``scope="node"`` (with ``node``): the newest checkpoint that node
+        holds in memory or on T0, durable or not (``durable_step`` says what
+        the durable latest is, ``memory`` where the node's memory holds it).
+        Not durable means lost with the node: see docs/API.md."""
+        return self._send(_api.latest(run, region=region, node=node, scope=scope))
+
+    def _memory_info(self) -> Flow[MemoryInfo]:
+        """The agent's memory tier: enabled, budget, bytes used, policy when full."""
+        return self._send(_api.memory_info())
+
+    def _reserve_segment(
+        self,
+        run: str,
+        step: int,
+        files: Mapping[str, int],
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> Flow[MemorySegment]:
+        """Reserve room in the agent's memory tier for ``files`` (relative
+        path -> exact size); write them into the segment's ``path``, then
+        ``register_segment``. ServerError ``memory_full`` when it is full."""
+        return self._send(_api.reserve_segment(run, step, files, rank=rank, world_size=world_size))
+
+    def _register_segment(
+        self,
+        segment_id: str,
+        run: str,
+        step: int,
+        path: str | os.PathLike[str],
+        rank: int = 0,
+        world_size: int = 1,
+        metrics: Mapping[str, float] | None = None,
+        parent: ParentLike | _api._AutoParent = _api.AUTO_PARENT,
+        priority: str = "normal",
+        epoch: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        write_seconds: float | None = None,
+    ) -> Flow[Checkpoint]:
+        """Register a complete memory segment as the checkpoint that will be
+        at ``path`` (T0): the agent writes it there, then registers it. The
+        answer is the checkpoint in state ``staged``."""
+        if isinstance(parent, _api._AutoParent):
+            parent, self._restored = self._restored, None
+        registration = _api.register(
+            run,
+            step,
+            path,
+            rank=rank,
+            world_size=world_size,
+            metrics=metrics,
+            parent=parent,
+            priority=priority,
+            epoch=epoch,
+            metadata=metadata,
+            write_seconds=write_seconds,
+        )
+        return self._send(_api.register_segment(segment_id, registration))
+
+    def _release_segment(self, segment_id: str) -> Flow[None]:
+        """Give back a reserved segment that will not be registered."""
+        return self._send(_api.release_segment(segment_id))
 
     def _wait(
         self,

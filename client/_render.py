@@ -28,6 +28,7 @@ from rich.tree import Tree
 from .models import Checkpoint, Lineage, LineageNode, RunSummary
 
 _STYLE = {
+    "staged": "yellow",
     "registered": "yellow",
     "uploading": "yellow",
     "pending": "yellow",

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # "Wait until at least" order; anything else is either a terminal failure or a
 # state this client version does not know yet (treated as not reached).
-STATE_ORDER = ("registered", "uploading", "durable", "replicated")
+STATE_ORDER = ("staged", "registered", "uploading", "durable", "replicated")
 FAILED_STATES = frozenset({"failed", "corrupt", "deleted"})
 
 
@@ -93,6 +93,44 @@ class LocalCopy(_Model):
         return self.path if rank == 0 else None
 
 
+class Copy(_Model):
+    """Where a copy of the checkpoint is (detail view): ``memory`` (an agent's
+    arena), ``t0`` (a node's local SSD) or ``region``."""
+
+    tier: str
+    node: str | None = None
+    rank: int | None = None
+    path: str | None = None
+    region: str | None = None
+    uri: str | None = None
+
+
+class MemoryCopy(_Model):
+    """A rank's files in the asking node's memory tier (``latest`` with scope=node)."""
+
+    node: str
+    rank: int = 0
+    path: str
+
+
+class MemorySegment(_Model):
+    """Room reserved in the agent's memory tier: write the files into ``path``."""
+
+    id: str
+    path: str
+    bytes: int
+
+
+class MemoryInfo(_Model):
+    enabled: bool = False
+    node: str | None = None
+    bytes: int = 0
+    used: int = 0
+    when_full: str = "disk"
+    wait_seconds: float = 0.0
+    keep_newest: bool = True
+
+
 class Checkpoint(_Model):
     run: str
     step: int
@@ -118,13 +156,28 @@ class Checkpoint(_Model):
     # Only in the answer of `latest`.
     locations: list[Location] = Field(default_factory=list)
     local: LocalCopy | None = None
+    # Only in the detail view: where the bytes are.
+    copies: list[Copy] = Field(default_factory=list)
+    # Only in the answer of `latest` with scope="node".
+    durable_step: int | None = None
+    memory: list[MemoryCopy] = Field(default_factory=list)
 
     @field_validator("metrics", "metadata", mode="before")
     @classmethod
     def _dict_or_empty(cls, value: Any) -> Any:
         return _null_as_empty(value, {})
 
-    @field_validator("children", "shards", "files", "replicas", "jobs", "locations", mode="before")
+    @field_validator(
+        "children",
+        "shards",
+        "files",
+        "replicas",
+        "jobs",
+        "locations",
+        "copies",
+        "memory",
+        mode="before",
+    )
     @classmethod
     def _list_or_empty(cls, value: Any) -> Any:
         return _null_as_empty(value, [])

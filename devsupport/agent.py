@@ -93,6 +93,9 @@ def make_settings(
             "lease_seconds": 5,
         },
         "upload": {"part_size_mb": 5},
+        # The memory tier beside the SSD, not in /dev/shm (segments kept for
+        # fast restarts would outlive the test).
+        "memory": {"dir": str(ssd.parent / "memory")},
     }
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)

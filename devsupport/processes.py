@@ -38,6 +38,13 @@ def write_config(
     path: Path, sections: dict[str, dict[str, Any]], regions: list[dict[str, Any]]
 ) -> Path:
     lines: list[str] = []
+    if "dir" not in sections.get("memory", {}):
+        # A test agent's memory tier lives beside its config, not in /dev/shm
+        # (the newest checkpoint of each run stays there after the test).
+        sections = {
+            **sections,
+            "memory": {**sections.get("memory", {}), "dir": str(path.parent / "memory")},
+        }
     for section, values in sections.items():
         lines.append(f"[{section}]")
         lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())

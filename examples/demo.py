@@ -12,8 +12,9 @@ trainer. The demo
    it once some checkpoints are registered (a node failure: no goodbye);
 3. shows the checkpoints' states and waits until the newest is durable;
 4. restarts the trainer: it asks the agent for the latest valid checkpoint,
-   loads it (from this node's T0 copy, still verified by the agent, or a
-   verified download from a region) and continues;
+   loads it (from this node's memory tier, where the agent keeps the newest
+   checkpoint, or its T0 copy, still verified by the agent, or a verified
+   download from a region) and continues;
 5. checks that the final weights equal an uninterrupted reference run
    bit for bit, and prints a summary with the checkpoint interval advice
    (Young/Daly) for the costs this run showed.
@@ -30,6 +31,7 @@ development package that lives in the repository and is not installed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import queue
@@ -77,6 +79,13 @@ def tierckpt_command() -> list[str]:
     return [sys.executable, "-m", "tierckpt.client.cli"]
 
 
+def memory_dir(work: Path) -> Path:
+    """The agent's memory tier: in /dev/shm (RAM) when there is one, named
+    after the work directory, removed at the end."""
+    shm = Path("/dev/shm")
+    return shm / work.name if shm.is_dir() else work / "memory"
+
+
 def write_config(work: Path, port: int, seaweed: SeaweedServer, west: SeaweedServer) -> Path:
     config = work / "config.toml"
     config.write_text(
@@ -116,6 +125,11 @@ secret_access_key = "demo-secret"
 
 [durability]
 min_regions = 1
+
+# The memory tier: the trainer's saves are copied into shared memory and
+# registered; the agent writes them to T0 and uploads them afterwards.
+[memory]
+dir = "{memory_dir(work)}"
 """
     )
     return config
@@ -259,11 +273,10 @@ def second_life(url: str, work: Path, args: argparse.Namespace) -> tuple[int, st
                 raise DemoError("the resumed trainer exited before finishing (log below)")
             if event["event"] == "resumed":
                 resumed = int(event["step"])
-                source = (
-                    "this node's T0 copy (local SSD)"
-                    if event["source"] == "local"
-                    else f"region {event['region']} (verified download)"
-                )
+                source = {
+                    "memory": "this node's memory tier (shared memory)",
+                    "local": "this node's T0 copy (local SSD)",
+                }.get(event["source"], f"region {event['region']} (verified download)")
                 say(
                     f"trainer resumed from step {resumed}: loaded from {source} in "
                     f"{event['seconds']} s (committed in {', '.join(event['regions'])})"
@@ -298,7 +311,7 @@ def advice_rows(advice: Advice) -> list[tuple[str, str]]:
 
     rows = []
     for scenario in advice.scenarios:
-        name = {"write": "local write", "upload": "blocking upload"}[scenario.basis]
+        name = {"write": "save stall", "upload": "blocking upload"}[scenario.basis]
         rows.append(
             (
                 f"advice, C = {name}",
@@ -439,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"work directory {work}")
     signal.signal(signal.SIGTERM, _interrupt)
     run = Demo(work, args)
+    # The memory tier keeps the newest checkpoint in RAM: never left behind.
+    atexit.register(shutil.rmtree, memory_dir(work), ignore_errors=True)
     try:
         # The ExitStack stops, in reverse order, whatever was started so far.
         with contextlib.ExitStack() as stack:

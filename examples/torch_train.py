@@ -103,6 +103,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--urgent-wait", type=float, default=60.0, help="seconds to wait for the urgent save"
     )
+    parser.add_argument(
+        "--staging",
+        choices=("memory", "disk"),
+        default=None,
+        help="where save() puts the state before it returns (default: the agent's "
+        "memory tier when it has one, else disk)",
+    )
+    parser.add_argument(
+        "--newest-on-node",
+        action="store_true",
+        help="resume from the newest checkpoint this node holds, even one not durable yet",
+    )
     parser.add_argument("--final-out", type=Path, help="write the final weights here")
     parser.add_argument("--step-events", action="store_true", help="one event per step")
     parser.add_argument(
@@ -147,12 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             data=loader,
             generators={"noise": noise},
             node=args.node or default_node(),
+            staging=args.staging,
         )
     try:
         with PreemptionGuard(notice_url=args.notice_url, poll_interval=args.notice_poll) as guard:
             step = 0
             if checkpointer is not None:
-                step = checkpointer.restore_latest()
+                step = checkpointer.restore_latest(newest_on_node=args.newest_on_node)
                 restored = checkpointer.restored
                 if restored is None:
                     emit("fresh", reason="no valid checkpoint", run=args.run)

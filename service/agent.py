@@ -44,8 +44,9 @@ from .config import Settings
 from .draining import DrainState
 from .jobs import queue
 from .jobs.worker import Worker
+from .memory.service import MemoryTier
 from .periodic import Periodic
-from .resources import Resources
+from .resources import Resources, no_memory_tier
 from .worker_process import WorkerChild
 
 log = logging.getLogger("tierckpt.agent")
@@ -90,6 +91,12 @@ class AgentProcess:
         self._started: list[tuple[str, SideTask]] = []
         self._closing = False
         self.drain = DrainState()
+        # The memory tier (memory/): only with a worker, which persists its segments.
+        self.memory: MemoryTier | None = None
+        if worker is not None and resources.settings.memory.bytes > 0:
+            self.memory = MemoryTier(resources, registrations, self.drain)
+            # Uploads read a staged checkpoint from memory while T0 is written.
+            resources.open_in_memory = self.memory.open_file
         # Seconds the worker's running jobs get at close (None: shutdown_timeout).
         self._worker_grace: float | None = None
 
@@ -127,6 +134,21 @@ class AgentProcess:
         components: list[tuple[str, SideTask]] = []
         if self.worker is not None:
             components.append(("worker", self.worker))
+        if self.memory is not None:
+            try:
+                # Segments an earlier life staged are persisted first thing.
+                self.memory.open()
+                components.append(("memory persister", self.memory.persister))
+            except OSError as exc:
+                # Trainers then write to T0 themselves: slower saves, none lost.
+                log.error(
+                    "memory tier off: its directory %s cannot be used (%s); set [memory] dir "
+                    "to a directory this agent may write, or [memory] bytes = 0",
+                    self.memory.arena.root,
+                    exc,
+                )
+                self.memory = None
+                self.resources.open_in_memory = no_memory_tier
         components += [(f"{p.name} pass", p) for p in self.passes]
         for name, component in components:
             task = component.start()
@@ -168,6 +190,8 @@ class AgentProcess:
         while worker.alive and not self.drain.aborted:
             try:
                 left = await self._node_work_left(worker.node)
+                # Checkpoints staged in memory are this node's work too.
+                left += len(self.memory.arena.staged()) if self.memory is not None else 0
             except Exception as exc:  # the catalog is down: keep trying till the deadline
                 log.warning("drain: could not count this node's work left: %s", exc)
                 left = None

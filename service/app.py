@@ -16,6 +16,7 @@ from .config import Settings
 from .errors import install_error_handlers
 from .health.routes import router as health_router
 from .limits import BodySizeLimit, RateLimit
+from .memory.routes import router as memory_router
 from .observability.middleware import RequestContext
 from .observability.routes import router as metrics_router
 from .regions.routes import router as regions_router
@@ -78,6 +79,7 @@ def create_app(
     app.include_router(retention_router)
     app.include_router(regions_router)
     app.include_router(advice_router)
+    app.include_router(memory_router)
     app.include_router(metrics_router)
     app.include_router(ui_router)
     return app

@@ -351,6 +351,54 @@ class RetentionSettings(RetentionPolicySettings):
     changed, a retain job that gave up)."""
 
 
+SHM = Path("/dev/shm")
+MEMORY_DEFAULT_CAP = 1024**3
+
+
+def default_memory_dir() -> Path:
+    """/dev/shm/tierckpt where /dev/shm exists (RAM-backed), else under the home."""
+    return SHM / "tierckpt" if SHM.is_dir() else DEFAULT_HOME / "memory"
+
+
+def default_memory_bytes() -> int:
+    """1 GiB, or a quarter of /dev/shm's size when that is less."""
+    try:
+        info = os.statvfs(SHM)
+    except OSError:
+        return MEMORY_DEFAULT_CAP
+    return min(MEMORY_DEFAULT_CAP, info.f_blocks * info.f_frsize // 4)
+
+
+class MemorySettings(BaseModel):
+    """The memory tier (M), above T0: a shared-memory arena the agent owns.
+    A trainer copies its state into a segment there, registers it and goes
+    on; the agent registers it as usual, uploads it from memory and writes it
+    to T0 (fsync, rename) meanwhile."""
+
+    bytes: int = Field(default_factory=default_memory_bytes, ge=0)
+    """Budget of the arena in bytes: the segments it holds, plus the files of
+    freed ones kept for reuse (deleted first when room is needed); 0 turns
+    the memory tier off (trainers then write to T0 themselves)."""
+    dir: Path = Field(default_factory=default_memory_dir)
+    """Directory of the arenas; each agent uses its own subdirectory (named
+    after its node and catalog). Use a tmpfs (RAM): segments are files, so
+    they outlive a killed trainer and a killed agent, but not a reboot."""
+    when_full: Literal["wait", "disk"] = "disk"
+    """When a save does not fit in the arena: `disk` (the trainer writes to
+    T0 itself, as without the tier: its stall is the disk write) or `wait`
+    (it waits up to `wait_seconds` for space, then writes to T0)."""
+    wait_seconds: float = Field(60.0, ge=0, le=3600)
+    """With `when_full = "wait"`: how long a trainer waits for space before
+    it writes to T0 itself."""
+    keep_newest: bool = True
+    """Keep the newest segment of each run (and rank) in memory once T0 holds
+    it, so a restart on this node loads it at memory speed; the next one
+    persisted frees it. false: a segment is freed as soon as T0 holds it."""
+    lease_seconds: float = Field(600.0, ge=1)
+    """A reserved segment not registered within this long (its trainer died
+    mid-copy) is reclaimed."""
+
+
 class Settings(BaseModel):
     server: ServerSettings = Field(default_factory=ServerSettings)
     catalog: CatalogSettings = Field(default_factory=CatalogSettings)
@@ -366,6 +414,7 @@ class Settings(BaseModel):
     upload: UploadSettings = Field(default_factory=UploadSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     scrub: ScrubSettings = Field(default_factory=ScrubSettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
 
     @model_validator(mode="after")
     def _safe_combinations(self) -> Settings:

@@ -26,7 +26,15 @@ import annotated_types
 from pydantic.fields import FieldInfo
 
 from . import config
-from .config import ENV_PREFIX, ENV_SEPARATOR, FILE_ONLY_SECTIONS, BaseModel, Settings
+from .config import (
+    ENV_PREFIX,
+    ENV_SEPARATOR,
+    FILE_ONLY_SECTIONS,
+    BaseModel,
+    Settings,
+    default_memory_bytes,
+    default_memory_dir,
+)
 
 # One text per validator, keyed by (model, validator function).
 REFUSALS: dict[tuple[str, str], list[str]] = {
@@ -65,6 +73,8 @@ SCALARS: dict[Any, str] = {
 # Defaults that depend on the machine are described, not shown.
 DESCRIBED_DEFAULTS: dict[Callable[[], Any], str] = {
     socket.gethostname: "the machine's host name",
+    default_memory_bytes: "1 GiB, or a quarter of /dev/shm when that is less",
+    default_memory_dir: "/dev/shm/tierckpt (.tierckpt/memory without /dev/shm)",
 }
 
 HEADER = f"""\

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sqlalchemy import orm
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -35,6 +36,11 @@ def _no_worker() -> None:
     """The wake-up of an agent that runs no worker: nobody to wake."""
 
 
+def no_memory_tier(shard_path: Path, relative: str) -> int | None:
+    """An agent without a memory tier holds no file anywhere but on T0."""
+    return None
+
+
 @dataclass
 class Resources:
     settings: Settings
@@ -49,6 +55,11 @@ class Resources:
     # Work was just enqueued in this process: the worker looks now instead of
     # at its next poll. Set by the agent's assembly when it runs a worker.
     wake: Callable[[], None] = field(default=_no_worker)
+    # Opens, for reading, the memory tier's copy of a registered T0 file
+    # (shard path, relative path), or None: an upload reads a checkpoint
+    # staged in memory from there while the agent still writes it to T0.
+    # Set by the agent's assembly when it has a memory tier.
+    open_in_memory: Callable[[Path, str], int | None] = field(default=no_memory_tier)
 
 
 async def open_resources(settings: Settings, *, check_regions: bool = True) -> Resources:

@@ -233,6 +233,13 @@ class _Child:
         # The regions were checked by the agent: one that is down now must
         # not hold up the worker's start (its jobs retry).
         resources = await open_resources(self.settings, check_regions=False)
+        if self.settings.memory.bytes > 0:
+            from .memory.reader import ArenaReader
+            from .memory.service import arena_directory
+
+            # Uploads of checkpoints staged in the agent's memory tier read
+            # them from there while the agent writes T0 (memory/reader.py).
+            resources.open_in_memory = ArenaReader(arena_directory(self.settings)).open_file
         status = 0
         try:
             worker, passes = background(resources)

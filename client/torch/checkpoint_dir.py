@@ -35,6 +35,7 @@ STATE_FILE = "state.json"
 OBJECTS_FILE = "objects.pt"
 STAGING_PREFIX = ".tierckpt-staging-"
 RESTORE_PREFIX = ".tierckpt-restore-"
+SAFETENSORS_METADATA = {"format": "pt"}
 
 
 class Stateful(Protocol):
@@ -54,8 +55,19 @@ class TrainingState:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def write_state(
-    directory: str | os.PathLike[str],
+@dataclass
+class EncodedState:
+    """The training state split into what each file of the checkpoint holds:
+    tensors for the two safetensors files, objects to pickle (``objects.pt``,
+    None when there are none) and the JSON skeleton (``state.json``)."""
+
+    model_tensors: dict[str, torch.Tensor] | None
+    state_tensors: dict[str, torch.Tensor]
+    objects: dict[str, Any] | None
+    skeleton: str
+
+
+def encode_state(
     *,
     step: int,
     model: torch.nn.Module | None = None,
@@ -65,15 +77,10 @@ def write_state(
     generators: Mapping[str, Any] | None = None,
     epoch: int | None = None,
     extra: Any = None,
-    fsync: bool = True,
-) -> list[Path]:
-    """Write the training state into ``directory`` (created; must not exist
-    or be empty). Returns the files written. Not atomic by itself: see
-    :func:`save_state`."""
-    target = Path(directory)
-    target.mkdir(parents=True, exist_ok=True)
-    if any(target.iterdir()):
-        raise FileExistsError(f"{target} is not empty")
+) -> EncodedState:
+    """The training state as :class:`EncodedState`: the same split whether it
+    is written to a directory (:func:`write_state`) or into a memory segment
+    (:mod:`.memory_stage`), so both hold the same files."""
     model_enc, state_enc = Encoder(), Encoder()
     skeleton: dict[str, Any] = {
         "format": FORMAT,
@@ -96,18 +103,36 @@ def write_state(
             skeleton[name] = state_enc.encode(obj.state_dict(), (name,))
     skeleton["rng"] = state_enc.encode(capture_rng(generators), ("rng",))
     skeleton["extra"] = state_enc.encode(extra, ("extra",))
-
-    written = []
-    if model is not None:
-        save_file(model_enc.tensors, str(target / MODEL_FILE), metadata={"format": "pt"})
-        written.append(target / MODEL_FILE)
-    save_file(state_enc.tensors, str(target / TENSORS_FILE), metadata={"format": "pt"})
-    written.append(target / TENSORS_FILE)
-    if state_enc.objects:
-        torch.save(state_enc.objects, target / OBJECTS_FILE)
-        written.append(target / OBJECTS_FILE)
     text = json.dumps(skeleton, sort_keys=True, allow_nan=False, separators=(",", ":"))
-    (target / STATE_FILE).write_text(text + "\n")
+    return EncodedState(
+        model_tensors=model_enc.tensors if model is not None else None,
+        state_tensors=state_enc.tensors,
+        objects=state_enc.objects or None,
+        skeleton=text + "\n",
+    )
+
+
+def write_state(
+    directory: str | os.PathLike[str], *, fsync: bool = True, **state: Any
+) -> list[Path]:
+    """Write the training state (the arguments of :func:`encode_state`) into
+    ``directory`` (created; must not exist or be empty). Returns the files
+    written. Not atomic by itself: see :func:`save_state`."""
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    if any(target.iterdir()):
+        raise FileExistsError(f"{target} is not empty")
+    encoded = encode_state(**state)
+    written = []
+    if encoded.model_tensors is not None:
+        save_file(encoded.model_tensors, str(target / MODEL_FILE), metadata=SAFETENSORS_METADATA)
+        written.append(target / MODEL_FILE)
+    save_file(encoded.state_tensors, str(target / TENSORS_FILE), metadata=SAFETENSORS_METADATA)
+    written.append(target / TENSORS_FILE)
+    if encoded.objects is not None:
+        torch.save(encoded.objects, target / OBJECTS_FILE)
+        written.append(target / OBJECTS_FILE)
+    (target / STATE_FILE).write_text(encoded.skeleton)
     written.append(target / STATE_FILE)
     if fsync:
         for path in written:

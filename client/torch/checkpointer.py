@@ -20,20 +20,28 @@ from typing import Any
 import torch
 
 from .._files import fsync_file
-from ..errors import CheckpointFailedError, ConflictError, NotFoundError
-from ..models import Checkpoint
+from ..errors import (
+    CheckpointFailedError,
+    ConflictError,
+    NotFoundError,
+    ServerError,
+    TierckptError,
+)
+from ..models import Checkpoint, MemoryInfo
 from ..sync_client import CheckpointClient
 from .checkpoint_dir import (
     RESTORE_PREFIX,
     STAGING_PREFIX,
     Stateful,
     TrainingState,
+    encode_state,
     load_state,
     same_files,
     save_state,
     sha256_of,
     write_state,
 )
+from .memory_stage import Mappings, StagedFiles
 
 log = logging.getLogger("tierckpt.client.torch")
 
@@ -43,7 +51,7 @@ class Restored:
     """Where the last ``restore_latest`` came from."""
 
     step: int
-    source: str  # "local" (the T0 copy on this node) or "region"
+    source: str  # "memory" (this node's memory tier), "local" (its T0 copy) or "region"
     region: str | None
     seconds: float
     path: str | None = None
@@ -62,6 +70,16 @@ class TorchCheckpointer:
     ``root`` is a directory under the agent's ``[local].roots``; checkpoints go
     to ``root/run/step-N`` (``…/step-N/rank-R`` when ``world_size > 1``: then
     every rank saves its own state, RNGs included, and restores only its own).
+
+    ``staging`` says where ``save`` puts the state before it returns:
+    ``"memory"`` copies it into the agent's memory tier (a segment in its
+    shared-memory arena, in the very files T0 gets) and registers it; the
+    agent writes it to T0 and uploads it afterwards. ``"disk"`` writes the
+    files to T0 (fsynced) and registers them. None (the default): memory
+    when the agent has a memory tier, else disk. A save that does not fit in
+    memory waits for room or is written to disk, as the agent's
+    ``[memory] when_full`` says; it is never dropped. ``send_hashes`` needs
+    the files on disk, so it implies disk staging.
     """
 
     def __init__(
@@ -80,9 +98,15 @@ class TorchCheckpointer:
         node: str | None = None,
         fsync: bool = True,
         send_hashes: bool = False,
+        staging: str | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
+        if staging not in (None, "memory", "disk"):
+            raise ValueError(f"staging must be 'memory', 'disk' or None, not {staging!r}")
+        self.staging = staging
+        self._memory: MemoryInfo | None = None
+        self._mappings = Mappings()  # of the segments written last (memory_stage.py)
         self.client = client
         self.run = run
         self.root = Path(os.path.abspath(root))
@@ -159,6 +183,19 @@ class TorchCheckpointer:
             "data": o["data"],
             "generators": o["generators"],
         }
+        if not target.exists() and self._stages_in_memory():
+            staged = self._save_in_memory(
+                target,
+                state,
+                began,
+                metrics=metrics,
+                metadata=metadata,
+                priority=priority,
+                epoch=epoch,
+            )
+            if staged is not None:
+                self._parent = step
+                return self._wait(staged, wait_durable)
         if target.exists():
             existing = self._resave(target, state)
             if existing is not None:
@@ -194,6 +231,102 @@ class TorchCheckpointer:
         self._parent = step
         log.debug("%s step %d: %.3f s write + register", self.run, step, time.monotonic() - began)
         return self._wait(checkpoint, wait_durable)
+
+    # -- memory staging -------------------------------------------------------------------
+
+    def memory_tier(self) -> MemoryInfo:
+        """The agent's memory tier, asked once (disabled when it has none or
+        is too old to say)."""
+        if self._memory is None:
+            try:
+                self._memory = self.client.memory_info()
+            except TierckptError as exc:
+                log.info("agent memory tier unknown (%s); staging on disk", exc)
+                return MemoryInfo(enabled=False)
+        return self._memory
+
+    def _stages_in_memory(self) -> bool:
+        if self.staging == "disk" or self.send_hashes:
+            return False
+        return self.memory_tier().enabled
+
+    def _save_in_memory(
+        self,
+        target: Path,
+        state: dict[str, Any],
+        began: float,
+        **register: Any,
+    ) -> Checkpoint | None:
+        """Copy the state into a segment of the agent's memory tier and
+        register it; None when it goes to disk instead (no room, as the
+        agent's policy says, or the agent is unreachable)."""
+        step = state["step"]
+        files = StagedFiles.of(encode_state(**state))
+        segment = self._reserve(step, files.sizes())
+        if segment is None:
+            return None
+        try:
+            files.write(Path(segment.path), self._mappings)
+        except OSError as exc:  # the arena's file system is full after all
+            log.warning(
+                "%s step %d: memory staging failed (%s); writing to disk", self.run, step, exc
+            )
+            self._release(segment.id)
+            return None
+        written = time.monotonic() - began
+        try:
+            checkpoint = self.client.register_segment(
+                segment.id,
+                self.run,
+                step,
+                target,
+                rank=self.rank,
+                world_size=self.world_size,
+                parent=self._parent,
+                write_seconds=written,
+                **register,
+            )
+        except BaseException:
+            self._release(segment.id)
+            raise
+        log.debug(
+            "%s step %d: %.3f s copy into memory + register",
+            self.run,
+            step,
+            time.monotonic() - began,
+        )
+        return checkpoint
+
+    def _reserve(self, step: int, sizes: dict[str, int]) -> Any:
+        tier = self.memory_tier()
+        deadline = time.monotonic() + tier.wait_seconds
+        delay = 0.05
+        while True:
+            try:
+                return self.client.reserve_segment(
+                    self.run, step, sizes, rank=self.rank, world_size=self.world_size
+                )
+            except ServerError as exc:
+                waiting = exc.code == "memory_full" and tier.when_full == "wait"
+                if not waiting or time.monotonic() + delay > deadline:
+                    log.info(
+                        "%s step %d not staged in memory (%s); writing to disk",
+                        self.run,
+                        step,
+                        exc.message,
+                    )
+                    return None
+            except ConflictError as exc:  # the same step is being staged (a replay)
+                log.info("%s step %d: %s; writing to disk", self.run, step, exc.message)
+                return None
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+    def _release(self, segment_id: str) -> None:
+        try:
+            self.client.release_segment(segment_id)
+        except TierckptError as exc:  # the lease reclaims it
+            log.warning("memory segment %s not released: %s", segment_id, exc)
 
     def _resave(self, target: Path, state: dict[str, Any]) -> Checkpoint | None:
         """``target`` exists from an earlier life. Keep it if it holds the same
@@ -247,11 +380,25 @@ class TorchCheckpointer:
 
     # -- restore ------------------------------------------------------------------------
 
-    def restore_latest(self, *, region: str | None = None, restore_rngs: bool = True) -> int:
+    def restore_latest(
+        self,
+        *,
+        region: str | None = None,
+        restore_rngs: bool = True,
+        newest_on_node: bool = False,
+    ) -> int:
         """Load the latest valid checkpoint of the run into the objects;
-        returns its step (the number of steps done), 0 when there is none."""
+        returns its step (the number of steps done), 0 when there is none.
+
+        It is read from this node's memory tier when that holds it (about
+        the time of a copy), else from the node's T0 copy, else downloaded.
+        ``newest_on_node`` (single-rank runs only): resume from the newest
+        checkpoint this node holds, in memory or on T0, even one not durable
+        yet. That saves the steps since the last durable one, at a risk: if
+        the node is lost before it becomes durable, a restart elsewhere goes
+        back to the older durable one (docs/API.md, "The memory tier")."""
         began = time.monotonic()
-        latest = self.client.latest(self.run, region=region, node=self.node)
+        latest = self._latest(region, newest_on_node and self.world_size == 1)
         if latest is None:
             self.restored, self.state = None, None
             return 0
@@ -263,18 +410,15 @@ class TorchCheckpointer:
             "generators": self.objects["generators"],
             "restore_rngs": restore_rngs,
         }
-        state: TrainingState | None = None
-        source, used_region, path = "local", None, None
-        local = latest.local.of_rank(self.rank) if latest.local is not None else None
-        if local is not None:
-            try:
-                state = load_state(local, **kwargs)
-                path = local
-                if state.step != latest.step:
-                    raise ValueError(f"holds step {state.step}, not {latest.step}")
-            except (OSError, ValueError, KeyError, RuntimeError) as exc:
-                log.warning("local copy %s unusable (%s); restoring from a region", path, exc)
-                state = None
+        state, source, path = self._load_on_node(latest, kwargs)
+        if state is None and latest.durable_step != latest.step and latest.durable_step is not None:
+            # Not durable and unreadable here: the durable one is downloadable.
+            latest = self.client.latest(self.run, region=region, node=self.node)
+            if latest is None:
+                self.restored, self.state = None, None
+                return 0
+            state, source, path = self._load_on_node(latest, kwargs)
+        used_region = None
         if state is None:
             source = "region"
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -306,3 +450,33 @@ class TorchCheckpointer:
             regions=tuple(location.region for location in latest.locations),
         )
         return state.step
+
+    def _latest(self, region: str | None, newest_on_node: bool) -> Checkpoint | None:
+        """The checkpoint to resume from, with where this node holds it."""
+        if not self.memory_tier().enabled and not newest_on_node:
+            return self.client.latest(self.run, region=region, node=self.node)
+        on_node = self.client.latest(self.run, region=region, node=self.node, scope="node")
+        if on_node is None or newest_on_node or on_node.step == on_node.durable_step:
+            return on_node
+        return self.client.latest(self.run, region=region, node=self.node)
+
+    def _load_on_node(
+        self, latest: Checkpoint, kwargs: dict[str, Any]
+    ) -> tuple[TrainingState | None, str, str | None]:
+        """Load ``latest`` from this node's memory tier or T0 copy, when they
+        hold it intact; (None, …) when neither does."""
+        places: list[tuple[str, str]] = [
+            ("memory", m.path) for m in latest.memory if m.rank == self.rank
+        ]
+        local = latest.local.of_rank(self.rank) if latest.local is not None else None
+        if local is not None:
+            places.append(("local", local))
+        for source, path in places:
+            try:
+                state = load_state(path, **kwargs)
+                if state.step != latest.step:
+                    raise ValueError(f"holds step {state.step}, not {latest.step}")
+                return state, source, path
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                log.warning("%s copy %s unusable (%s)", source, path, exc)
+        return None, "region", None

@@ -143,6 +143,7 @@ def checkpoint_document(run: str, c: CheckpointValues, listing: Listing) -> dict
             }
             for job, rank in listing.jobs
         ],
+        "copies": None,
     }
 
 

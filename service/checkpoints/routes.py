@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response
 
 from ..auth import Action, Principal, authenticate, authorize
 from ..deps import AgentDep, CheckpointServiceDep, PrincipalDep, RegistrationsDep
+from ..memory import lookup
 from ..models import CheckpointState
 from ..resources import Resources
 from .latest_answer import latest_json
+from .presenter import to_json
 from .schemas import (
     CheckpointOut,
     CheckpointPage,
@@ -86,10 +88,10 @@ async def list_checkpoints(
 
 @router.get("/runs/{run}/checkpoints/{step}", response_model=CheckpointOut)
 async def get_checkpoint(
-    run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
+    run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep, agent: AgentDep
 ) -> CheckpointOut:
     authorize(principal, Action.READ, run)
-    return await service.get(run, step)
+    return await lookup.detail(service, agent.memory, run, step)
 
 
 @router.get("/runs/{run}/latest", response_model=LatestOut)
@@ -97,10 +99,21 @@ async def latest_checkpoint(
     run: str,
     request: Request,
     principal: PrincipalDep,
+    service: CheckpointServiceDep,
+    agent: AgentDep,
     region: str | None = None,
     node: str | None = None,
+    scope: Literal["durable", "node"] = "durable",
 ) -> Response:
+    """The newest durable checkpoint; with ``scope=node`` (and ``node=``)
+    the newest one that node holds in memory or on T0, even if not durable
+    (memory/lookup.py says what that risks)."""
     authorize(principal, Action.READ, run)
+    if scope == "node":
+        document = await lookup.node_latest(
+            request.app.state.resources, service, agent.memory, run, node, region
+        )
+        return Response(to_json(document), media_type="application/json")
     # Usually answered below the routing (latest_path.py); here it is asked
     # by requests that path passes on, so the errors are worded in one place.
     body = await latest_json(request.app.state.resources, run, region, node)

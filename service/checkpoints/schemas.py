@@ -135,6 +135,15 @@ class RefOut(BaseModel):
     step: int
 
 
+class CopyOut(BaseModel):
+    tier: Literal["memory", "t0", "region"]
+    node: str | None = None
+    rank: int | None = None
+    path: str | None = None
+    region: str | None = None
+    uri: str | None = None
+
+
 class CheckpointOut(BaseModel):
     run: str
     step: int
@@ -163,6 +172,8 @@ class CheckpointOut(BaseModel):
     # Background work on this checkpoint (detail view only): what is queued,
     # running or failed, with attempts and the last error.
     jobs: list[JobOut] | None = None
+    # Detail view only: where the bytes are (memory, T0, regions).
+    copies: list[CopyOut] | None = None
 
     @field_serializer("created_at", "durable_at", "quarantined_at", "deleted_at")
     def _ts(self, value: datetime | None) -> str | None:

@@ -92,6 +92,14 @@ async def submit_registration(
     """Scan and validate one registration, then hand it to the agent's group
     commit; returns once it is committed (or refused)."""
     scanned = await scan_checkpoint(resources, request.path)
+    return await submit_scanned(registrations, request, scanned)
+
+
+async def submit_scanned(
+    registrations: RegistrationBatcher, request: RegisterRequest, scanned: ScannedShard
+) -> Outcome:
+    """The group commit of a registration whose files are listed already
+    (the memory tier lists a segment that T0 will hold)."""
     hashes = _client_hashes(request, scanned)
     registration = Registration(
         request=request, scanned=scanned, hashes=hashes, fingerprint=fingerprint(scanned, hashes)

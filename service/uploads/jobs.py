@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from pathlib import Path
 
 from sqlalchemy import func, select, update
@@ -111,6 +112,7 @@ class UploadJobs:
                 mtime_ns=f.mtime_ns,
                 # A repair must reproduce the hash the catalog already holds.
                 expected_sha256=f.expected_sha256 or f.sha256,
+                elsewhere=partial(self.r.open_in_memory, base, f.path),
             )
             for f in files
         ]

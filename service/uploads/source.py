@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,10 @@ class SourceFile:
     size: int
     mtime_ns: int
     expected_sha256: str | None = None
+    # The same bytes elsewhere, read first when still there: the memory
+    # tier's segment of a checkpoint the agent is still writing to T0.
+    # Returns an open descriptor or None.
+    elsewhere: Callable[[], int | None] | None = None
 
 
 def confine(path: Path, roots: list[Path]) -> Path:
@@ -38,6 +43,15 @@ def confine(path: Path, roots: list[Path]) -> Path:
 
 
 def open_checked(source: SourceFile, roots: list[Path]) -> int:
+    if source.elsewhere is not None and (fd := source.elsewhere()) is not None:
+        # Its size and mtime are the registered ones while it is that copy
+        # (a freed segment's file handed out again is truncated: its mtime
+        # moves, caught here or by the check after reading).
+        try:
+            check_unchanged(fd, source)
+            return fd
+        except SourceChanged:
+            os.close(fd)
     resolved = confine(source.path, roots)
     try:
         fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -19,7 +19,13 @@ pytestmark = pytest.mark.e2e
 
 def test_serve_without_config_uses_the_embedded_default(tmp_path: Path) -> None:
     port = free_port()
-    env = {**os.environ, "TIERCKPT_SERVER__PORT": str(port), "TIERCKPT_SERVER__NODE": "laptop"}
+    env = {
+        **os.environ,
+        "TIERCKPT_SERVER__PORT": str(port),
+        "TIERCKPT_SERVER__NODE": "laptop",
+        # The memory tier's default directory is /dev/shm: the test's own instead.
+        "TIERCKPT_MEMORY__DIR": str(tmp_path / "memory"),
+    }
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(
@@ -52,6 +58,10 @@ def test_serve_without_config_uses_the_embedded_default(tmp_path: Path) -> None:
         assert (
             home / "regions" / "local" / "demo" / "step-000000000001" / "MANIFEST.json"
         ).is_file()
+
+        # The memory tier is on by default, with a modest budget.
+        memory = httpx.get(f"{url}/v1/memory", timeout=10).json()
+        assert memory["enabled"] is True and 0 < memory["bytes"] <= 1 << 30, memory
 
         # Outside the default root: refused, exit code 2.
         stray = write_checkpoint(tmp_path / "elsewhere", {"w": b"1"})

@@ -207,7 +207,9 @@ def live(
 
 
 def test_resume_after_sigkills_is_bit_identical(start_agent: AgentFactory, tmp_path: Path) -> None:
-    agent, ssd = start_agent()
+    # No memory tier: the trainer stages on disk by itself, and resumes from
+    # T0 or a region (tests/e2e/test_memory_tier.py resumes from memory).
+    agent, ssd = start_agent(memory={"bytes": 0})
     run = "resume"
     reference = tmp_path / "reference.safetensors"
     subprocess.run(
@@ -328,7 +330,8 @@ def test_sigterm_saves_urgently_ahead_of_queued_uploads(
         assert last["step"] % 4 != 0
         trainer.signal(signal.SIGTERM)
         urgent = trainer.until("checkpoint", timeout=30, priority="urgent")
-        assert urgent["step"] % 4 != 0 and urgent["state"] in ("registered", "uploading")
+        # Staged: in the agent's memory tier, on its way to T0 and the catalog.
+        assert urgent["step"] % 4 != 0 and urgent["state"] in ("staged", "registered", "uploading")
         os.kill(seaweed.pid, signal.SIGCONT)
         stopped = False
         preempted = trainer.until("preempted", timeout=90)

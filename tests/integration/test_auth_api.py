@@ -46,6 +46,7 @@ class Route:
             .replace("{step}", str(MISSING))
             .replace("{region}", "local")
             .replace("{key}", f"{run}/step-000000000001/rank-00000/w.bin")
+            .replace("{segment_id}", "no-such-segment")
         )
 
     def request_body(self, run: str, ssd: Path) -> Any:
@@ -77,9 +78,29 @@ ROUTES = [
     Route("POST", "/v1/runs/{run}/retention/apply", ADMIN_ONLY),
     Route("GET", "/v1/regions/{region}/objects/{key}", READ),
     Route("GET", "/v1/runs/{run}/advice", READ, params={"mtbf_hours": 24}),
+    # The memory tier: the run is in the body; an allowed call ends in a 400
+    # (a path that is refused) or a 404 (no such segment).
+    Route(
+        "POST",
+        "/v1/memory/segments",
+        WRITE,
+        lambda run, ssd: {"run": run, "step": MISSING, "files": [{"path": "../x", "size": 1}]},
+    ),
+    Route(
+        "POST",
+        "/v1/memory/segments/{segment_id}/register",
+        WRITE,
+        lambda run, ssd: {"run": run, "step": MISSING, "path": str(ssd / "does-not-exist")},
+    ),
 ]
 # Not tied to one run: listing is filtered by the token's pattern instead.
-UNSCOPED = [Route("GET", "/v1/runs", READ)]
+UNSCOPED = [
+    Route("GET", "/v1/runs", READ),
+    # Segments named by id (their run is known once found) and the arena's
+    # state (its list filtered by the token's runs).
+    Route("GET", "/v1/memory", READ),
+    Route("DELETE", "/v1/memory/segments/{segment_id}", WRITE),
+]
 OPEN = {("GET", "/healthz"), ("GET", "/readyz")}
 # Open or not by configuration ([server] metrics_public): its own test below.
 CONFIGURED = {("GET", "/metrics")}

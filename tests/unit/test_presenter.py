@@ -225,4 +225,5 @@ def test_a_registration_answer_from_its_values() -> None:
             }
         ],
         "jobs": None,
+        "copies": None,
     }

@@ -275,6 +275,12 @@ class FakeClient:
         self.registered: dict[int, dict[str, Any]] = {}
         self.calls: list[tuple[str, Any]] = []
 
+    def memory_info(self) -> Any:
+        # An agent without a memory tier: saves go to disk.
+        from tierckpt.client.models import MemoryInfo
+
+        return MemoryInfo(enabled=False)
+
     def _checkpoint(self, step: int, **extra: Any) -> Checkpoint:
         entry = self.registered[step]
         return Checkpoint.model_validate(

@@ -1,0 +1,161 @@
+"""Where a checkpoint's copies are, and the newest one a node holds.
+
+The rule (docs/API.md, "The memory tier"): `latest` is unchanged, the newest
+*durable* checkpoint. `latest?node=N&scope=node` is the newest checkpoint
+node N holds, in memory or on T0, durable or not: a restart on the same node
+may resume from it without waiting for the upload. What it risks: a
+checkpoint that is not durable is lost with the node (memory with a reboot,
+T0 with the disk); a restart elsewhere resumes from the older durable one,
+and the ranks of a sharded run on other nodes may hold other steps, so only
+a single-rank run should resume from it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import select
+
+from ..checkpoints.latest_answer import latest_json
+from ..checkpoints.schemas import CheckpointOut, CopyOut
+from ..checkpoints.service import CheckpointService
+from ..errors import BadInput, NotFound
+from ..models import Checkpoint, CheckpointState, ReplicaState, Run, Shard
+from ..resources import Resources
+from .service import MemoryTier
+
+HELD_STATES = (
+    CheckpointState.REGISTERED,
+    CheckpointState.UPLOADING,
+    CheckpointState.DURABLE,
+    CheckpointState.REPLICATED,
+)
+DURABLE_STATES = (CheckpointState.DURABLE, CheckpointState.REPLICATED)
+
+
+async def detail(
+    service: CheckpointService, memory: MemoryTier | None, run: str, step: int
+) -> CheckpointOut:
+    """The detail view, with ``copies``: memory (this agent's arena), T0 (the
+    shards' files not evicted) and the regions holding a committed copy. A
+    checkpoint only staged in memory is answered from the arena."""
+    try:
+        out = await service.get(run, step)
+    except NotFound:
+        staged = memory.staged_of(run, step) if memory is not None else []
+        if not staged:
+            raise
+        return CheckpointOut.model_validate(memory.staged_document(run, staged))  # type: ignore[union-attr]
+    copies: list[dict[str, Any]] = []
+    if memory is not None:
+        copies += memory.memory_copies(memory.held(run, step))
+    copies += await _t0_copies(service, run, step)
+    copies += [
+        {
+            "tier": "region",
+            "node": None,
+            "rank": None,
+            "path": None,
+            "region": r.region,
+            "uri": r.uri,
+        }
+        for r in out.replicas
+        if r.state == ReplicaState.COMMITTED
+    ]
+    return out.model_copy(update={"copies": [CopyOut.model_validate(c) for c in copies]})
+
+
+async def _t0_copies(service: CheckpointService, run: str, step: int) -> list[dict[str, Any]]:
+    rows = await service.session.execute(
+        select(Shard)
+        .join(Checkpoint, Checkpoint.id == Shard.checkpoint_id)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Run.name == run, Checkpoint.step == step, Shard.evicted_at.is_(None))
+        .order_by(Shard.rank)
+    )
+    return [
+        {"tier": "t0", "node": s.node, "rank": s.rank, "path": s.path, "region": None, "uri": None}
+        for s in rows.scalars()
+    ]
+
+
+async def node_latest(
+    resources: Resources,
+    service: CheckpointService,
+    memory: MemoryTier | None,
+    run: str,
+    node: str | None,
+    region: str | None,
+) -> dict[str, Any]:
+    """The newest checkpoint ``node`` holds (memory or T0), durable or not,
+    with ``durable``, ``durable_step`` (what plain `latest` answers) and
+    ``memory`` (this agent's segments holding it, one per rank)."""
+    if not node:
+        raise BadInput("scope=node needs node=<the node asking>", code="invalid_request")
+    try:
+        durable: dict[str, Any] | None = json.loads(await latest_json(resources, run, region, node))
+    except NotFound:
+        durable = None
+    durable_step = durable["step"] if durable is not None else None
+    mine = memory is not None and node == resources.settings.server.node
+    held = memory.held(run) if mine and memory is not None else []
+    memory_steps = {s.step for s in held if s.state != "failed"}
+    t0_step = await _newest_on_t0(service, run, node)
+    candidates = [s for s in (durable_step, t0_step, *memory_steps) if s is not None]
+    if not candidates:
+        raise NotFound(
+            f"run {run!r} has no checkpoint on node {node!r} nor a valid one",
+            code="no_valid_checkpoint",
+        )
+    step = max(candidates)
+    if durable is not None and step == durable_step:
+        document = durable
+    else:
+        try:
+            document = (await service.get(run, step)).model_dump(mode="json")
+            shard = next((s for s in document["shards"] if s["node"] == node), None)
+            document["local"] = (
+                {"node": node, "path": shard["path"], "ranks": {"0": shard["path"]}}
+                if shard is not None and step == t0_step and document["world_size"] == 1
+                else None
+            )
+        except NotFound:  # staged in memory only
+            assert memory is not None
+            document = memory.staged_document(run, memory.staged_of(run, step))
+            document["local"] = None
+        document["locations"] = [
+            {"region": r["region"], "uri": r["uri"]}
+            for r in document["replicas"]
+            if r["state"] == ReplicaState.COMMITTED
+        ]
+    document["durable"] = document["state"] in DURABLE_STATES
+    document["durable_step"] = durable_step
+    document["memory"] = (
+        [
+            {"node": node, "rank": s.rank, "path": str(s.data)}
+            for s in sorted(held, key=lambda s: s.rank)
+            if s.step == step and s.state != "failed"
+        ]
+        if memory is not None
+        else []
+    )
+    return document
+
+
+async def _newest_on_t0(service: CheckpointService, run: str, node: str) -> int | None:
+    step = await service.session.scalar(
+        select(Checkpoint.step)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .join(Shard, Shard.checkpoint_id == Checkpoint.id)
+        .where(
+            Run.name == run,
+            Shard.node == node,
+            Shard.evicted_at.is_(None),
+            Checkpoint.state.in_([s.value for s in HELD_STATES]),
+            Checkpoint.quarantined_at.is_(None),
+        )
+        .order_by(Checkpoint.step.desc())
+        .limit(1)
+    )
+    return step

@@ -1,0 +1,255 @@
+"""Registering staged segments as a disk save would, and writing them to T0.
+
+One segment at a time (T0's bandwidth is the limit, not the CPU). First the
+registration, through the registration writer's group commit (the code path
+of ``POST /v1/checkpoints``), with the segment's listing as that of the T0
+path it will have: the upload job starts at once and reads the files from
+the segment (service.py, ``open_file``), so the upload does not wait for
+the T0 copy. Then the files are copied into a hidden sibling of that T0
+path, given the segment files' mtimes (the registered ones), fsynced, and
+the directory renamed into place: T0 shows all or nothing, as a trainer's
+own save does.
+
+Killed at any moment, the agent finds the segment still staged at restart
+(``persisted.json`` is written last), registers it again (the same listing:
+answered as already registered), drops the hidden directory of the attempt
+and copies again; a T0 directory renamed into place before the kill is
+recognised (same files and sizes) and kept. Should the memory be lost with
+the node before T0 holds the files, the upload finds neither copy and fails
+the checkpoint: it never becomes durable with bytes it does not have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from ...client._files import fsync_dir
+from ..checkpoints.batching import RegistrationBatcher
+from ..checkpoints.scan import ScannedFile, ScannedShard, _root_of
+from ..checkpoints.schemas import RegisterRequest
+from ..checkpoints.service import submit_scanned
+from ..errors import ApiError
+from ..resources import Resources
+from ..storage.posix import _kernel_copy
+from .arena import Arena, Segment
+
+log = logging.getLogger("tierckpt.memory")
+
+PERSIST_PREFIX = ".tierckpt-persist-"
+RETRY_BASE, RETRY_MAX = 0.5, 30.0
+
+
+class TargetTaken(Exception):
+    """The checkpoint cannot be written there: the T0 path holds other files,
+    or left the roots, or the segment no longer holds its files."""
+
+
+def _same_layout(target: Path, files: dict[str, int]) -> bool:
+    found: dict[str, int] = {}
+    for dirpath, _dirs, names in os.walk(target):
+        for name in names:
+            path = Path(dirpath) / name
+            found[path.relative_to(target).as_posix()] = path.stat().st_size
+    return found == files
+
+
+def open_beneath(root: Path, relative: str) -> int:
+    """Open ``root/relative`` for reading without following any symlink on
+    the way (the trainer writes into the segment: a directory swapped for a
+    symlink after the registration's check must not make the agent read,
+    and upload, a file from elsewhere)."""
+    parts = relative.split("/")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(
+                part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+            )
+            os.close(fd)
+            fd = inner
+        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def copy_file(segment: Segment, relative: str, destination: Path) -> None:
+    """An in-kernel copy (copy_file_range or sendfile), then fsync."""
+    try:
+        src = open_beneath(segment.data, relative)
+    except OSError as exc:  # a symlink on the way, or the file is gone
+        raise TargetTaken(
+            f"the segment's {relative} cannot be read as a plain file ({exc.strerror}); "
+            "it was changed after the registration"
+        ) from exc
+    size = segment.files[relative]
+    try:
+        dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _kernel_copy(src, dst, size)
+            # The registered mtime: the upload's and the T0 checks compare it.
+            info = os.fstat(src)
+            os.utime(dst, ns=(info.st_atime_ns, info.st_mtime_ns))
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def _confined(directory: Path, roots: list[Path]) -> None:
+    if _root_of(Path(os.path.realpath(directory)), roots) is None:
+        raise TargetTaken(f"{directory} no longer resolves under the configured local roots")
+
+
+def write_to_t0(segment: Segment, target: Path, roots: list[Path]) -> None:
+    """Copy the segment's files to ``target`` (all or nothing, fsynced)."""
+    if target.exists():
+        if _same_layout(target, segment.files):
+            return  # renamed into place by an earlier attempt that was killed
+        raise TargetTaken(
+            f"{target} exists with other files; the memory-staged checkpoint was not "
+            "written there (its bytes stay in the arena until freed)"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _confined(target.parent, roots)
+    staging = target.parent / f"{PERSIST_PREFIX}{segment.id}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    directories = {staging}
+    for relative in sorted(segment.files):
+        destination = staging / relative
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        directories.add(destination.parent)
+        copy_file(segment, relative, destination)
+    for directory in directories:
+        fsync_dir(directory)
+    staging.chmod(0o755)
+    # Checked at staging time; again now, just before the rename: the
+    # directory must still resolve under a configured root.
+    _confined(target.parent, roots)
+    os.rename(staging, target)
+    fsync_dir(target.parent)
+
+
+def scan_segment(segment: Segment, target: Path) -> ScannedShard:
+    """The segment's files listed as registration lists a directory (names,
+    sizes, mtimes), as the T0 directory ``target`` will hold them."""
+    files = []
+    for relative in sorted(segment.files):
+        try:
+            fd = open_beneath(segment.data, relative)
+        except OSError as exc:
+            raise TargetTaken(
+                f"the segment's {relative} cannot be read as a plain file ({exc.strerror}); "
+                "it was changed after the registration"
+            ) from exc
+        try:
+            info = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if info.st_size != segment.files[relative]:
+            raise TargetTaken(f"the segment's {relative} changed size after the registration")
+        files.append(ScannedFile(path=relative, size=info.st_size, mtime_ns=info.st_mtime_ns))
+    return ScannedShard(directory=target, files=files)
+
+
+class SegmentPersister:
+    """The agent's task that takes staged segments to T0 and the catalog."""
+
+    def __init__(
+        self,
+        resources: Resources,
+        registrations: RegistrationBatcher,
+        arena: Arena,
+        keep_newest: bool,
+    ) -> None:
+        self.resources = resources
+        self.registrations = registrations
+        self.arena = arena
+        self.keep_newest = keep_newest
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._not_before: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self._run(), name="memory-persist")
+        return self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            now = time.monotonic()
+            for segment in self.arena.staged():
+                if self._not_before.get(segment.id, 0.0) <= now:
+                    await self.persist(segment)
+            self.arena.reclaim_expired()
+            waits = [t - time.monotonic() for t in self._not_before.values()]
+            timeout = max(0.05, min([5.0, *waits]))
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def persist(self, segment: Segment) -> None:
+        assert segment.registration is not None
+        request = RegisterRequest.model_validate(segment.registration)
+        target, roots = Path(request.path), self.resources.settings.local.roots
+        try:
+            scanned = await asyncio.to_thread(scan_segment, segment, target)
+            # No drain check: the agent accepted this checkpoint when it was staged.
+            await submit_scanned(self.registrations, request, scanned)
+            await asyncio.to_thread(write_to_t0, segment, target, roots)
+        except (ApiError, TargetTaken) as exc:
+            if isinstance(exc, ApiError) and exc.status >= 500:
+                self._retry_later(segment, exc)
+                return
+            message = getattr(exc, "message", None) or str(exc)
+            log.error(
+                "memory segment %s (%s step %d) not registered: %s",
+                segment.id,
+                segment.run,
+                segment.step,
+                message,
+            )
+            self.arena.mark_failed(segment, message)
+            return
+        except Exception as exc:  # T0 full or unwritable, catalog down: try again later
+            self._retry_later(segment, exc)
+            return
+        self._not_before.pop(segment.id, None)
+        self._failures.pop(segment.id, None)
+        self.arena.mark_persisted(segment, request.path)
+        self.arena.free_older(segment, self.keep_newest)
+        log.debug("memory segment %s persisted to %s", segment.id, request.path)
+
+    def _retry_later(self, segment: Segment, exc: BaseException) -> None:
+        failures = self._failures.get(segment.id, 0) + 1
+        self._failures[segment.id] = failures
+        delay = min(RETRY_MAX, RETRY_BASE * 2 ** (failures - 1))
+        self._not_before[segment.id] = time.monotonic() + delay
+        log.warning(
+            "memory segment %s (%s step %d) not persisted yet (attempt %d, retry in %.1f s): %s",
+            segment.id,
+            segment.run,
+            segment.step,
+            failures,
+            delay,
+            exc,
+        )

@@ -1,0 +1,66 @@
+"""The memory tier as an upload reads it: a staged checkpoint's files, opened
+from the segment while the agent still writes them to T0.
+
+The agent's ``MemoryTier`` answers from its ``Arena``; a worker running in a
+process of its own (worker_process.py) holds no arena, so ``ArenaReader``
+answers from the segments' own files (``registration.json``, ``failed.json``,
+``reservation.json``), which the agent writes atomically. Without it, that
+worker's upload of a checkpoint staged in memory would find neither copy
+until the T0 copy is renamed into place, and fail the checkpoint.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from .arena import DATA, FAILED, PREFIX, REGISTRATION, RESERVATION, read_json
+from .persist import open_beneath
+
+
+def open_locked(data: Path, relative: str) -> int | None:
+    """``data/relative`` open for reading under a shared lock (no spare is
+    handed out while it is held: spares.py), or None (gone, or being handed
+    out as a spare right now: the upload reads T0 instead)."""
+    try:
+        fd = open_beneath(data, relative)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+class ArenaReader:
+    """Opens the memory copy of a registered T0 file from an arena directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def open_file(self, shard_path: Path, relative: str) -> int | None:
+        target = str(shard_path)
+        try:
+            entries = [e for e in os.scandir(self.root) if e.name.startswith(PREFIX)]
+        except OSError:
+            return None
+        for entry in entries:
+            directory = Path(entry.path)
+            try:
+                registration = read_json(directory / REGISTRATION)
+                reservation = read_json(directory / RESERVATION)
+            except (OSError, ValueError):
+                continue  # being removed, or not a segment
+            if (
+                not registration
+                or registration.get("path") != target
+                or not reservation
+                or relative not in reservation.get("files", {})
+                or (directory / FAILED).exists()
+            ):
+                continue
+            return open_locked(directory / DATA, relative)
+        return None

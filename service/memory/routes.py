@@ -1,0 +1,71 @@
+"""HTTP routes of the memory tier: the arena, reserving a segment, staging it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from ..auth import Action, authorize
+from ..checkpoints.presenter import to_json
+from ..checkpoints.schemas import RegisterRequest
+from ..deps import AgentDep, PrincipalDep
+from ..errors import Conflict
+from .service import MemoryTier, ReserveRequest, SegmentOut
+
+router = APIRouter(prefix="/v1/memory", tags=["memory"])
+
+
+def _tier(agent: AgentDep) -> MemoryTier:
+    if agent.memory is None:
+        raise Conflict(
+            "this agent has no memory tier ([memory] bytes = 0, or it runs no worker); "
+            "write the checkpoint to T0 and register it",
+            code="memory_off",
+        )
+    return agent.memory
+
+
+@router.get("")
+async def memory_info(agent: AgentDep, principal: PrincipalDep) -> dict[str, Any]:
+    """The arena: budget, bytes in use, the policy when full, the segments."""
+    authorize(principal, Action.READ)
+    if agent.memory is None:
+        return {"enabled": False, "node": agent.resources.settings.server.node}
+    info = agent.memory.info()
+    info["segments"] = [s for s in info["segments"] if principal.allows(Action.READ, s["run"])]
+    return info
+
+
+@router.post("/segments", status_code=201, response_model=SegmentOut)
+async def reserve_segment(
+    body: ReserveRequest, agent: AgentDep, principal: PrincipalDep
+) -> SegmentOut:
+    """Reserve room for a checkpoint's files; 507 `memory_full` (or
+    `segment_too_large`) when the arena cannot hold them now."""
+    authorize(principal, Action.WRITE, body.run)
+    return _tier(agent).reserve(body)
+
+
+@router.post("/segments/{segment_id}/register", status_code=202)
+async def register_segment(
+    segment_id: str, body: RegisterRequest, agent: AgentDep, principal: PrincipalDep
+) -> Response:
+    """The segment's files are complete: record the registration (the
+    checkpoint is `staged`); the agent writes it to T0 and registers it."""
+    authorize(principal, Action.WRITE, body.run)
+    document = _tier(agent).stage(segment_id, body)
+    return Response(to_json(document), status_code=202, media_type="application/json")
+
+
+@router.delete("/segments/{segment_id}")
+async def release_segment(
+    segment_id: str, agent: AgentDep, principal: PrincipalDep
+) -> dict[str, str]:
+    """Give back a reservation that will not be registered (a failed save)."""
+    authorize(principal, Action.WRITE)  # the role first, the run once it is known
+    tier = _tier(agent)
+    authorize(principal, Action.WRITE, tier.arena.get(segment_id).run)
+    tier.release(segment_id)
+    return {"released": segment_id}

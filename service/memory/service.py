@@ -1,0 +1,300 @@
+"""The memory tier of one agent: its arena, the persister, and the answers
+about checkpoints held in memory (staged ones, copies, the node's newest).
+
+A checkpoint staged in memory is not in the catalog yet: its registration
+is recorded in the segment (arena.py) and reaches the catalog once T0 holds
+the bytes (persist.py). Until then this agent answers for it with the state
+``staged``; the catalog, and every other agent, does not know it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator
+
+from ..checkpoints.batching import RegistrationBatcher
+from ..checkpoints.presenter import Listing, NewCheckpoint, NewShard, checkpoint_document
+from ..checkpoints.scan import _check_name, _root_of
+from ..checkpoints.schemas import MAX_STEP, RegisterRequest, StrictModel
+from ..config import Settings
+from ..draining import DrainState
+from ..errors import BadInput, Conflict
+from ..names import RUN_PATTERN, not_a_dot_segment
+from ..resources import Resources
+from .arena import Arena, MemoryFull, Segment
+from .persist import SegmentPersister
+from .reader import open_locked
+
+MAX_FILE_BYTES = 2**50
+
+
+class SegmentFile(StrictModel):
+    path: str = Field(min_length=1, max_length=4096)
+    size: int = Field(ge=0, le=MAX_FILE_BYTES)
+
+
+class ReserveRequest(StrictModel):
+    run: str = Field(pattern=RUN_PATTERN)
+    step: int = Field(ge=0, le=MAX_STEP)
+    rank: int = Field(0, ge=0)
+    world_size: int = Field(1, ge=1, le=65536)
+    files: list[SegmentFile] = Field(min_length=1, max_length=100_000)
+
+    _run_not_dots = field_validator("run")(not_a_dot_segment)
+
+
+class SegmentOut(BaseModel):
+    id: str
+    path: str  # the directory the trainer writes the files into
+    bytes: int
+    expires_at: str
+
+
+def arena_directory(settings: Settings) -> Path:
+    """One directory per agent: its node and its catalog (two test agents on
+    one machine, or one agent per catalog, never share an arena)."""
+    node = re.sub(r"[^A-Za-z0-9._-]", "_", settings.server.node)[:64]
+    catalog = hashlib.sha256(settings.catalog.url.encode()).hexdigest()[:10]
+    return Path(settings.memory.dir) / f"{node}-{catalog}"
+
+
+def _relative_path(path: str, max_length: int) -> str:
+    clean = path.strip("/")
+    parts = clean.split("/")
+    if path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise BadInput(
+            f"files[].path {path!r} must be relative, without empty, '.' or '..' parts",
+            code="invalid_file_name",
+        )
+    _check_name(clean, max_length)
+    return clean
+
+
+class MemoryTier:
+    def __init__(
+        self, resources: Resources, registrations: RegistrationBatcher, drain: DrainState
+    ) -> None:
+        settings = resources.settings
+        self.settings = settings.memory
+        self.local = settings.local
+        self.node = settings.server.node
+        self.drain = drain
+        self.arena = Arena(
+            arena_directory(settings), settings.memory.bytes, settings.memory.lease_seconds
+        )
+        self.persister = SegmentPersister(
+            resources, registrations, self.arena, settings.memory.keep_newest
+        )
+
+    def open(self) -> None:
+        self.arena.open()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "enabled": True,
+            "node": self.node,
+            "bytes": self.arena.budget,
+            "used": self.arena.used,
+            "when_full": self.settings.when_full,
+            "wait_seconds": self.settings.wait_seconds,
+            "keep_newest": self.settings.keep_newest,
+            "segments": [s.describe() for s in self.arena.segments.values()],
+        }
+
+    # -- the trainer's calls -------------------------------------------------------------
+
+    def reserve(self, request: ReserveRequest) -> SegmentOut:
+        if request.rank >= request.world_size:
+            raise BadInput(
+                f"rank {request.rank} must be below world_size {request.world_size}",
+                code="invalid_request",
+            )
+        if len(request.files) > self.local.max_files_per_checkpoint:
+            raise BadInput(
+                f"at most {self.local.max_files_per_checkpoint} files per checkpoint",
+                code="too_many_files",
+            )
+        files: dict[str, int] = {}
+        for entry in request.files:
+            path = _relative_path(entry.path, self.local.max_path_length)
+            if path in files:
+                raise BadInput(f"files[].path {path!r} is listed twice", code="invalid_file_name")
+            files[path] = entry.size
+        directories = {
+            "/".join(p.split("/")[:i]) for p in files for i in range(1, p.count("/") + 1)
+        }
+        if clash := sorted(directories & files.keys()):
+            raise BadInput(
+                f"files[].path {clash[0]!r} is both a file and a directory",
+                code="invalid_file_name",
+            )
+        if any(
+            s.rank == request.rank and s.step == request.step
+            for s in self.arena.of_run(request.run, ("reserved", "staged"))
+        ):
+            raise Conflict(
+                f"{request.run} step {request.step} rank {request.rank} is being staged in "
+                "memory already",
+                code="segment_exists",
+            )
+        try:
+            segment = self.arena.reserve(
+                request.run, request.step, request.rank, request.world_size, files
+            )
+        except OSError as exc:  # the arena's file system refused (full, gone)
+            raise MemoryFull(
+                f"the memory tier could not create the segment ({exc.strerror}); "
+                "the checkpoint goes to T0",
+            ) from exc
+        return SegmentOut(
+            id=segment.id,
+            path=str(segment.data),
+            bytes=segment.nbytes,
+            expires_at=_iso(segment.lease_until),
+        )
+
+    def stage(self, segment_id: str, request: RegisterRequest) -> dict[str, Any]:
+        """Record the registration of a complete segment; the agent takes it
+        to T0 and the catalog from here. Returns the staged checkpoint."""
+        segment = self.arena.get(segment_id)
+        if (segment.run, segment.step, segment.rank, segment.world_size) != (
+            request.run,
+            request.step,
+            request.rank,
+            request.world_size,
+        ):
+            raise BadInput(
+                f"segment {segment_id} was reserved for {segment.run} step {segment.step} "
+                f"rank {segment.rank}/{segment.world_size}; register that",
+                code="segment_mismatch",
+            )
+        if request.files:
+            raise BadInput(
+                "files[] hashes are not taken with a memory segment", code="invalid_request"
+            )
+        self._check_target(request.path)
+        if segment.registration is None:
+            self.drain.admit(request.priority)
+            self.arena.check_complete(segment)
+        self.arena.stage(segment, request.model_dump(mode="json", exclude_none=True))
+        self.persister.wake()
+        return self.staged_document(request.run, [segment])
+
+    def _check_target(self, path: str) -> None:
+        """The T0 path: absolute, under a configured root (the confinement of
+        registration), and not a symlink (the agent writes there)."""
+        target = Path(path)
+        if not target.is_absolute() or ".." in target.parts:
+            raise BadInput(
+                f"path {path!r} must be absolute, without '..'", code="path_outside_roots"
+            )
+        if target.is_symlink():
+            raise BadInput(f"path {path!r} is a symlink", code="path_outside_roots")
+        existing = target.parent
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        resolved = Path(os.path.realpath(existing))
+        if _root_of(resolved, self.local.roots) is None:
+            roots = ", ".join(str(r) for r in self.local.roots)
+            raise BadInput(
+                f"path {path!r} is outside the configured local roots ({roots})",
+                code="path_outside_roots",
+            )
+
+    def open_file(self, shard_path: Path, relative: str) -> int | None:
+        """The memory copy of a registered T0 file, open for reading under a
+        shared lock (no spare is handed out while it is held: spares.py), or
+        None. Called from upload threads: reads a snapshot of the segments."""
+        target = str(shard_path)
+        for segment in list(self.arena.segments.values()):
+            registration = segment.registration or {}
+            if (
+                registration.get("path") != target
+                or segment.state not in ("staged", "persisted")
+                or relative not in segment.files
+            ):
+                continue
+            return open_locked(segment.data, relative)
+        return None
+
+    def release(self, segment_id: str) -> None:
+        segment = self.arena.get(segment_id)
+        if segment.state == "staged":
+            raise Conflict(
+                f"segment {segment_id} is registered; the agent frees it once T0 holds it",
+                code="segment_registered",
+            )
+        self.arena.release(segment_id)
+
+    # -- answers -------------------------------------------------------------------------
+
+    def staged_document(self, run: str, segments: list[Segment]) -> dict[str, Any]:
+        """The checkpoint of staged (or failed) segments as a CheckpointOut
+        document, state ``staged`` (``failed`` when the agent could not
+        register it)."""
+        first = segments[0]
+        body = RegisterRequest.model_validate(first.registration)
+        failed = next((s.failed for s in segments if s.failed is not None), None)
+        checkpoint = NewCheckpoint(
+            step=first.step,
+            state="failed" if failed else "staged",
+            world_size=first.world_size,
+            epoch=body.epoch,
+            priority=body.priority,
+            metrics=body.metrics,
+            meta=body.metadata,
+            parent_run=body.parent.run if body.parent else None,
+            parent_step=body.parent.step if body.parent else None,
+            created_at=datetime.fromtimestamp(first.created, UTC).replace(tzinfo=None),
+            total_bytes=sum(s.nbytes for s in segments),
+            file_count=sum(len(s.files) for s in segments),
+            write_seconds=body.write_seconds,
+            error=failed,
+        )
+        shards = [
+            NewShard(
+                rank=s.rank,
+                node=self.node,
+                path=(s.registration or {}).get("path", ""),
+                state=s.state,
+                error=s.failed,
+            )
+            for s in sorted(segments, key=lambda s: s.rank)
+        ]
+        document = checkpoint_document(run, checkpoint, Listing(shards=shards, replicas=[]))
+        document["copies"] = self.memory_copies(segments)
+        return document
+
+    def memory_copies(self, segments: list[Segment]) -> list[dict[str, Any]]:
+        return [
+            {
+                "tier": "memory",
+                "node": self.node,
+                "rank": s.rank,
+                "path": str(s.data),
+                "region": None,
+                "uri": None,
+            }
+            for s in sorted(segments, key=lambda s: s.rank)
+        ]
+
+    def held(self, run: str, step: int | None = None) -> list[Segment]:
+        """Segments of ``run`` (at ``step``) whose bytes are whole in memory."""
+        return [
+            s
+            for s in self.arena.of_run(run, ("staged", "persisted", "failed"))
+            if step is None or s.step == step
+        ]
+
+    def staged_of(self, run: str, step: int) -> list[Segment]:
+        return [s for s in self.arena.of_run(run, ("staged", "failed")) if s.step == step]
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,262 @@
+"""The memory tier end to end: the real agent (`tierckpt serve`), real
+SeaweedFS, trainer processes, kill -9.
+
+- A trainer killed -9 right after `save` returned (the state only in the
+  agent's memory): the checkpoint still becomes durable, the restarted
+  trainer resumes from memory on the same node, and its final weights are
+  bit-identical to an uninterrupted run's.
+- The agent killed -9 while it writes a staged segment to T0: restarted, it
+  finishes the work; the checkpoint becomes durable with the right bytes and
+  no half-written directory is left on T0.
+- The arena full: saves wait for room (`when_full = "wait"`) or go to disk
+  (`"disk"`, or a state larger than the whole tier); none is lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.test_torch_resume import (  # noqa: F401
+    NODE,
+    AgentFactory,
+    Trainer,
+    start_agent,
+    trainer_argv,
+    weights_sha256,
+)
+from tierckpt.client import CheckpointClient
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from tierckpt.client.torch import TorchCheckpointer  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def detail(url: str, run: str, step: int) -> dict[str, Any]:
+    answer = httpx.get(f"{url}/v1/runs/{run}/checkpoints/{step}", timeout=10)
+    answer.raise_for_status()
+    return dict(answer.json())
+
+
+def wait_durable(url: str, run: str, step: int, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            found = detail(url, run, step)
+        except httpx.HTTPStatusError:
+            found = {"state": "unknown"}
+        if found["state"] in ("durable", "replicated"):
+            return found
+        assert found["state"] not in ("failed", "corrupt", "deleted"), found
+        assert time.monotonic() < deadline, f"{run} step {step} stuck: {found}"
+        time.sleep(0.05)
+
+
+def test_trainer_killed_after_save_resumes_from_memory_bit_identical(
+    start_agent: AgentFactory,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    agent, ssd = start_agent(memory={"bytes": 64 << 20})
+    run = "killed-after-save"
+    reference = tmp_path / "reference.safetensors"
+    argv = trainer_argv(agent.url, ssd, run, "--steps", "40", "--every", "5")
+    trainer = Trainer([*argv, "--no-register", "--final-out", str(reference)], tmp_path / "r.log")
+    assert trainer.until("done")["step"] == 40
+    assert trainer.wait() == 0
+
+    # Life 1: killed the moment save() of step 15 returns.
+    trainer = Trainer(argv, tmp_path / "trainer-1.log")
+    try:
+        saved = trainer.until("checkpoint", step=15)
+        trainer.signal(signal.SIGKILL)
+    finally:
+        assert trainer.wait() == -signal.SIGKILL
+    assert saved["state"] == "staged", saved  # in the agent's memory, nowhere else yet
+    assert saved["write_seconds"] is not None and saved["write_seconds"] < saved["stall_seconds"]
+
+    # Nothing of the trainer is needed any more: the agent makes it durable.
+    done = wait_durable(agent.url, run, 15)
+    assert {c["tier"] for c in done["copies"]} >= {"memory", "t0", "region"}
+
+    # Life 2 on the same node: from memory (the newest segment is kept).
+    final = tmp_path / "final.safetensors"
+    trainer = Trainer([*argv, "--final-out", str(final)], tmp_path / "trainer-2.log")
+    resumed = trainer.until("resumed")
+    finished = trainer.until("done")
+    assert trainer.wait() == 0
+    assert (resumed["step"], resumed["source"]) == (15, "memory"), resumed
+    assert finished["step"] == 40
+
+    ours, theirs = load_file(str(final)), load_file(str(reference))
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].numpy().tobytes() == tensor.numpy().tobytes(), name
+    assert finished["sha256"] == weights_sha256(theirs)
+    for step in (20, 25, 30, 35, 40):
+        wait_durable(agent.url, run, step)
+
+
+def test_restart_on_the_node_may_resume_from_a_checkpoint_not_durable_yet(
+    start_agent: AgentFactory,  # noqa: F811
+    tmp_path: Path,
+    seaweed: Any,
+) -> None:
+    agent, ssd = start_agent(memory={"bytes": 64 << 20})
+    run = "newest-on-node"
+    argv = trainer_argv(agent.url, ssd, run, "--steps", "10", "--every", "5")
+    # Slow steps: step 10 is saved well after step 5 is durable.
+    trainer = Trainer([*argv, "--sleep", "0.3"], tmp_path / "trainer-1.log")
+    trainer.until("checkpoint", step=5)
+    wait_durable(agent.url, run, 5)
+    # The store stalls: step 10 reaches T0 and the catalog but not the region.
+    os.kill(seaweed.pid, signal.SIGSTOP)
+    try:
+        trainer.until("done")
+        assert trainer.wait() == 0
+        deadline = time.monotonic() + 30
+        while detail(agent.url, run, 10)["state"] == "staged":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert detail(agent.url, run, 10)["state"] in ("registered", "uploading")
+        # The durable latest is step 5 (held in memory no more: step 10 freed it).
+        durable_only = Trainer(argv, tmp_path / "trainer-2.log")
+        event = durable_only.until("resumed")
+        assert durable_only.wait() == 0
+        assert (event["step"], event["source"]) == (5, "local"), event
+        newest = Trainer([*argv, "--newest-on-node"], tmp_path / "trainer-3.log")
+        event = newest.until("resumed")
+        assert newest.wait() == 0
+        assert (event["step"], event["source"]) == (10, "memory"), event
+    finally:
+        os.kill(seaweed.pid, signal.SIGCONT)
+    wait_durable(agent.url, run, 10)
+
+
+def _files_of(directory: Path) -> dict[str, str]:
+    return {
+        p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_agent_killed_while_persisting_finishes_after_restart(
+    start_agent: AgentFactory,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    agent, ssd = start_agent(memory={"bytes": 1 << 30})
+    assert agent.proc is not None
+    files = {"a.bin": os.urandom(96 << 20), "b/c.bin": os.urandom(96 << 20), "d.json": b"{}"}
+    run, step = "agent-killed", 1
+    target = ssd / run / "step-1"
+    with CheckpointClient(agent.url) as client:
+        segment = client.reserve_segment(run, step, {p: len(d) for p, d in files.items()})
+        for relative, data in files.items():
+            path = Path(segment.path) / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        staged = client.register_segment(segment.id, run, step, target)
+        assert staged.state == "staged"
+        # Step the agent in 1 ms slices until its copy to T0 is under way,
+        # then kill it there.
+        hidden = ssd / run / f".tierckpt-persist-{segment.id}"
+        caught = False
+        while not target.exists():
+            os.kill(agent.proc.pid, signal.SIGSTOP)
+            if hidden.exists():
+                caught = True
+                break
+            os.kill(agent.proc.pid, signal.SIGCONT)
+            time.sleep(0.001)
+        agent.kill()
+        assert caught, "the copy to T0 finished before the agent could be stopped in it"
+        assert not target.exists()
+
+    agent.start()
+    done = wait_durable(agent.url, run, step)
+    assert _files_of(target) == {p: hashlib.sha256(d).hexdigest() for p, d in files.items()}
+    assert {f["path"]: f["sha256"] for f in done["files"]} == _files_of(target)
+    assert sorted(p.name for p in (ssd / run).iterdir()) == ["step-1"]  # no leftover
+    with CheckpointClient(agent.url) as client:
+        restored = client.restore(run, tmp_path / "restored")
+    assert _files_of(restored) == _files_of(target)
+
+
+@pytest.mark.parametrize("when_full", ["wait", "disk"])
+def test_full_arena_waits_or_goes_to_disk_and_loses_nothing(
+    start_agent: AgentFactory,  # noqa: F811
+    tmp_path: Path,
+    when_full: str,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)  # ~260 KB of weights; the arena holds one save
+    agent, ssd = start_agent(memory={"bytes": 400_000, "when_full": when_full, "wait_seconds": 60})
+    run = f"full-{when_full}"
+    with CheckpointClient(agent.url) as client:
+        checkpointer = TorchCheckpointer(client, run, ssd, model=model, node=NODE)
+        states, expected = [], {}
+        for step in range(1, 7):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            expected[step] = model.weight.detach().clone()
+            states.append(checkpointer.save(step).state)
+        big = TorchCheckpointer(
+            client, f"{run}-big", ssd, model=torch.nn.Linear(512, 512), node=NODE
+        )
+        too_big = big.save(1).state  # larger than the whole tier: to disk at once
+    assert too_big == "registered"
+    if when_full == "wait":
+        # Every save waited for room rather than going to disk.
+        assert states == ["staged"] * 6, states
+    else:
+        assert states[0] == "staged" and set(states) <= {"staged", "registered"}, states
+    for step in range(1, 7):
+        wait_durable(agent.url, run, step)
+        weights = load_file(str(ssd / run / f"step-{step}" / "model.safetensors"))
+        assert torch.equal(weights["weight"], expected[step]), step
+    info = httpx.get(f"{agent.url}/v1/memory", timeout=10).json()
+    assert info["used"] <= info["bytes"]
+
+
+def test_a_worker_process_uploads_a_staged_checkpoint_from_memory(
+    start_agent: AgentFactory,  # noqa: F811
+) -> None:
+    """The worker in a process of its own ([worker] separate_process, the
+    default on PostgreSQL) holds no arena: it reads a staged checkpoint from
+    the segment's own files (memory/reader.py). Here T0 cannot be written
+    (a file is in the way of the run's directory), so the checkpoint becomes
+    durable from memory alone; once T0 can be written, the segment reaches it."""
+    agent, ssd = start_agent(memory={"bytes": 64 << 20}, worker={"separate_process": "yes"})
+    files = {"a.bin": os.urandom(3 << 20), "b/c.json": b"{}"}
+    run, step = "blocked", 1
+    (ssd / run).write_bytes(b"")  # the blocker
+    target = ssd / run / "step-1"
+    with CheckpointClient(agent.url) as client:
+        segment = client.reserve_segment(run, step, {p: len(d) for p, d in files.items()})
+        for relative, data in files.items():
+            path = Path(segment.path) / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        assert client.register_segment(segment.id, run, step, target).state == "staged"
+    done = wait_durable(agent.url, run, step)
+    assert {f["path"]: f["sha256"] for f in done["files"]} == {
+        p: hashlib.sha256(d).hexdigest() for p, d in files.items()
+    }
+    (ssd / run).unlink()
+    deadline = time.monotonic() + 60
+    while not target.exists():
+        assert time.monotonic() < deadline, "the segment never reached T0"
+        time.sleep(0.05)
+    assert _files_of(target) == {p: hashlib.sha256(d).hexdigest() for p, d in files.items()}
