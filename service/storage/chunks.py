@@ -1,0 +1,83 @@
+"""Per-chunk SHA-256s of a file: what lets a reader verify a byte range.
+
+A whole-file SHA-256 can only be checked by reading the whole file; a reader
+that needs a few MiB of a large file (a DCP rank loading its shard) checks
+every fixed-size chunk it touches against the chunk's own hash instead.
+Chunk ``i`` covers bytes ``[i * chunk_size, min((i + 1) * chunk_size, size))``;
+an empty file has no chunks. Both hashes are computed in the upload's single
+read pass (``FileHashes`` is fed the same buffers as the whole-file hash).
+
+In the catalog the list is stored as one string, the hex digests concatenated
+(64 characters each): ``encode`` / ``decode``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+
+MiB = 1024 * 1024
+DEFAULT_CHUNK_SIZE = 8 * MiB
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def chunk_count(size: int, chunk_size: int) -> int:
+    return -(-size // chunk_size)
+
+
+class FileHashes:
+    """The whole-file SHA-256 and the chunks' SHA-256s, fed in file order."""
+
+    def __init__(self, chunk_size: int) -> None:
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        self.chunk_size = chunk_size
+        self.whole = hashlib.sha256()
+        self._chunk = hashlib.sha256()
+        self._filled = 0
+        self.chunks: list[str] = []
+
+    def update(self, data: memoryview | bytes) -> None:
+        self.whole.update(data)
+        view = memoryview(data)
+        position = 0
+        while position < len(view):
+            take = min(self.chunk_size - self._filled, len(view) - position)
+            self._chunk.update(view[position : position + take])
+            self._filled += take
+            position += take
+            if self._filled == self.chunk_size:
+                self._close_chunk()
+
+    def _close_chunk(self) -> None:
+        self.chunks.append(self._chunk.hexdigest())
+        self._chunk = hashlib.sha256()
+        self._filled = 0
+
+    def finish(self) -> tuple[str, tuple[str, ...]]:
+        """(whole-file SHA-256, chunk SHA-256s); call once, after the last update."""
+        if self._filled:
+            self._close_chunk()
+        return self.whole.hexdigest(), tuple(self.chunks)
+
+
+def encode(chunks: Sequence[str]) -> str:
+    return "".join(chunks)
+
+
+def decode(joined: str) -> tuple[str, ...]:
+    if len(joined) % 64:
+        raise ValueError("chunk hashes are not a multiple of 64 hex digits")
+    return tuple(joined[i : i + 64] for i in range(0, len(joined), 64))
+
+
+def valid(size: int, chunk_size: object, chunks: object) -> bool:
+    """Whether ``chunks`` lists one hex SHA-256 per ``chunk_size`` chunk of ``size`` bytes."""
+    return (
+        type(chunk_size) is int
+        and chunk_size >= 1
+        and isinstance(chunks, (list, tuple))
+        and len(chunks) == chunk_count(size, chunk_size)
+        and all(isinstance(c, str) and _HEX64.match(c) for c in chunks)
+    )
