@@ -27,7 +27,12 @@ from tests.e2e.test_torch_resume import NODE, AgentFactory, settle, start_agent 
 
 pytest.importorskip("torch")
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    # DCP warns that a load or save without a process group is one process's:
+    # what the 1-rank tests mean.
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
 
 JOB = Path(__file__).with_name("dcp_plugin_job.py")
 MiB = 1024 * 1024
@@ -101,3 +106,80 @@ def test_save_two_ranks_load_into_three_two_and_one(
     print("2->1 bytes:", one["bytes_read"], one["by_source"])
     assert one["equal"], one
     assert one["by_source"]["local"] > 0 and one["by_source"]["east"] >= CHUNK, one
+
+
+def _load_one_rank(url: str, root: Path, node: str) -> tuple[Any, dict[str, Any]]:
+    """A 1-rank load in this process (no process group); (reader, state)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.client import CheckpointClient
+    from tierckpt.client.dcp import TierckptReader
+
+    state: dict[str, Any] = {"w": torch.zeros(ROWS // 8, COLS), "b": torch.zeros(8)}
+    with CheckpointClient(url, timeout=60) as client:
+        reader = TierckptReader(client, "plugin", root, node=node)
+        dcp.load(state, storage_reader=reader)
+    return reader, state
+
+
+def test_one_rank_fallbacks_and_refusals(
+    start_agent: AgentFactory,  # noqa: F811
+    tmp_path: Path,
+    s3_client: Any,
+    s3_bucket: str,
+) -> None:
+    """One rank, in this process: a checkpoint without chunk hashes (uploaded
+    before they existed) is verified whole, from T0 or the region; a file
+    whose every copy is wrong is refused, not loaded."""
+    import sqlite3
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.client import CheckpointClient
+    from tierckpt.client.dcp import TierckptWriter
+    from tierckpt.client.errors import RestoreError
+
+    agent, ssd = start_agent(upload={"chunk_size_mb": 1})
+    saved = {"w": torch.randn(ROWS // 8, COLS), "b": torch.arange(8.0)}
+    with CheckpointClient(agent.url, timeout=60) as client:
+        writer = TierckptWriter(client, "plugin", 3, ssd)
+        dcp.save(saved, storage_writer=writer)
+    assert writer.checkpoint is not None and writer.checkpoint.world_size == 1
+    (checkpoint,) = settle(agent.url, "plugin")
+    assert checkpoint["state"] == "durable"
+
+    reader, state = _load_one_rank(agent.url, tmp_path / "chunked", "elsewhere")
+    assert torch.equal(state["w"], saved["w"]) and torch.equal(state["b"], saved["b"])
+    assert set(reader.bytes_by_source) == {"east"}
+
+    # As if uploaded before chunk hashes: whole files, verified whole.
+    with sqlite3.connect(tmp_path / "catalog.db") as catalog:
+        catalog.execute("UPDATE files SET chunk_size = NULL, chunk_sha256 = NULL")
+    with CheckpointClient(agent.url) as client:
+        detail = client.get("plugin", 3)
+    whole = sum(f.size for f in detail.files)
+    for node, source in (("elsewhere", "east"), (NODE, "local")):
+        reader, state = _load_one_rank(agent.url, tmp_path / f"whole-{source}", node)
+        assert torch.equal(state["w"], saved["w"]), source
+        assert reader.bytes_by_source == {source: whole}, (source, reader.bytes_by_source)
+    assert not list((tmp_path / "whole-east" / "plugin").glob("*")), "scratch left behind"
+
+    # Every copy wrong (T0 changed with its mtime kept; the region's object
+    # overwritten): refused.
+    shard = ssd / "plugin" / "step-3" / "rank-00000" / "__0_0.distcp"
+    info = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(info.st_atime_ns, info.st_mtime_ns))
+    s3_client.put_object(
+        Bucket=s3_bucket, Key="torch/plugin/step-000000000003/rank-00000/__0_0.distcp", Body=data
+    )
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as refused:
+        _load_one_rank(agent.url, tmp_path / "bad", NODE)
+    ((failure, _traceback),) = refused.value.failures.values()
+    assert isinstance(failure, RestoreError) and "verifies" in str(failure), failure
