@@ -43,6 +43,7 @@ class _Unsupported(Exception):
 class _StorageRef:
     key: str
     dtype: Any
+    numel: int
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,8 @@ class _RefUnpickler(pickle.Unpickler):
     """Unpickles ``data.pkl`` into a :class:`_TensorRef`; refuses every
     global but the few ``torch.save`` uses for a tensor (no code runs)."""
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, data: bytes | io.BytesIO) -> None:
+        super().__init__(data if isinstance(data, io.BytesIO) else io.BytesIO(data))
         self._dtypes = _storage_dtypes()
 
     def find_class(self, module: str, name: str) -> Any:
@@ -87,7 +88,13 @@ class _RefUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise _Unsupported("persistent id")
-        return _StorageRef(key=str(pid[2]), dtype=pid[1])
+        return _StorageRef(key=str(pid[2]), dtype=pid[1], numel=int(pid[4]))
+
+    def load_ref(self) -> _TensorRef:
+        ref = self.load()
+        if not isinstance(ref, _TensorRef):
+            raise _Unsupported("not one tensor")
+        return ref
 
 
 class _ArchiveFile(io.RawIOBase):
@@ -128,30 +135,84 @@ def read_slice(
     layout this reads (the caller loads it whole)."""
     try:
         return _read_slice(read, length, list(offsets), list(lengths))
-    except (_Unsupported, zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError):
+    except (
+        _Unsupported,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        EOFError,
+        KeyError,
+        ValueError,
+        struct.error,
+    ):
         return None
+
+
+HEAD_BYTES = 4096
+
+
+def _from_head(read: ReadRange, length: int) -> tuple[_TensorRef, int, int] | None:
+    """(tensor, data start, storage bytes) from the archive's first bytes:
+    ``torch.save`` writes ``data.pkl`` first and the storages' records right
+    after a few tiny ones, so the directory at the end (often another chunk)
+    need not be read. None when the head does not look like that."""
+    head = read(0, min(length, HEAD_BYTES))
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        return None
+    fields = _LOCAL_HEADER.unpack(head[:30])
+    name = head[30 : 30 + fields[10]].decode("utf-8", "replace")
+    archive, _, record = name.partition("/")
+    if record != "data.pkl" or fields[4] != zipfile.ZIP_STORED:
+        return None
+    start = 30 + fields[10] + fields[11]
+    stream = io.BytesIO(head[start:])
+    ref = _RefUnpickler(stream).load_ref()  # leaves the stream just after the pickle
+    # The storage's record: the first local header after the pickle naming it.
+    wanted = f"{archive}/data/{ref.storage.key}".encode()
+    position = start + stream.tell()
+    while (position := head.find(b"PK\x03\x04", position)) >= 0 and position + 30 <= len(head):
+        fields = _LOCAL_HEADER.unpack(head[position : position + 30])
+        if head[position + 30 : position + 30 + fields[10]] == wanted:
+            if fields[4] != zipfile.ZIP_STORED:
+                return None
+            data_start = position + 30 + fields[10] + fields[11]
+            element = _element_size(ref.storage.dtype)
+            storage_bytes = ref.storage.numel * element
+            if data_start + storage_bytes > length:
+                return None
+            return ref, data_start, storage_bytes
+        position += 4
+    return None
+
+
+def _from_directory(read: ReadRange, length: int) -> tuple[_TensorRef, int, int]:
+    """(tensor, data start, storage bytes) through the zip directory at the end."""
+    archive = _ArchiveFile(read, length)
+    with zipfile.ZipFile(archive) as zipped:
+        entries = {info.filename.split("/", 1)[-1]: info for info in zipped.infolist()}
+        ref = _RefUnpickler(zipped.read(entries["data.pkl"])).load_ref()
+        record = entries[f"data/{ref.storage.key}"]
+    if record.compress_type != zipfile.ZIP_STORED:
+        raise _Unsupported("compressed record")
+    header = _LOCAL_HEADER.unpack(read(record.header_offset, record.header_offset + 30))
+    if header[0] != b"PK\x03\x04":
+        raise _Unsupported("no local header")
+    return ref, record.header_offset + 30 + header[10] + header[11], record.file_size
+
+
+def _element_size(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _read_slice(read: ReadRange, length: int, offsets: list[int], lengths: list[int]) -> Any:
     import torch
 
-    archive = _ArchiveFile(read, length)
-    with zipfile.ZipFile(archive) as zipped:  # reads the directory at the end only
-        entries = {info.filename.split("/", 1)[-1]: info for info in zipped.infolist()}
-        if "byteorder" in entries and zipped.read(entries["byteorder"]) != b"little":
-            raise _Unsupported("big-endian archive")
-        pickled = zipped.read(entries["data.pkl"])
-        ref = _RefUnpickler(pickled).load()
-        if not isinstance(ref, _TensorRef) or len(ref.size) != len(lengths):
-            raise _Unsupported("not one tensor")
-        record = entries[f"data/{ref.storage.key}"]
-    if record.compress_type != zipfile.ZIP_STORED or any(s < 0 for s in ref.stride):
-        raise _Unsupported("compressed record or negative stride")
-    header = _LOCAL_HEADER.unpack(read(record.header_offset, record.header_offset + 30))
-    if header[0] != b"PK\x03\x04":
-        raise _Unsupported("no local header")
-    data_start = record.header_offset + 30 + header[10] + header[11]
-    element = torch.empty((), dtype=ref.storage.dtype).element_size()
+    located = _from_head(read, length) or _from_directory(read, length)
+    ref, data_start, storage_bytes = located
+    if len(ref.size) != len(lengths) or any(s < 0 for s in ref.stride):
+        raise _Unsupported("another shape or a negative stride")
+    element = _element_size(ref.storage.dtype)
     if any(n == 0 for n in lengths):
         return torch.empty(lengths, dtype=ref.storage.dtype)
     if any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, ref.size, strict=True)):
@@ -160,8 +221,8 @@ def _read_slice(read: ReadRange, length: int, offsets: list[int], lengths: list[
     last = ref.offset + sum(
         (o + n - 1) * s for o, n, s in zip(offsets, lengths, ref.stride, strict=True)
     )
-    if (last + 1) * element > record.file_size:
+    if (last + 1) * element > storage_bytes:
         raise _Unsupported("slice outside the stored record")
     data = bytearray(read(data_start + first * element, data_start + (last + 1) * element))
-    flat = torch.frombuffer(data, dtype=ref.storage.dtype) if data else torch.empty(0)
+    flat = torch.frombuffer(data, dtype=ref.storage.dtype)
     return flat.as_strided(lengths, ref.stride, 0).clone()

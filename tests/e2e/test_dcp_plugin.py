@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
 ]
 
-JOB = Path(__file__).with_name("dcp_plugin_job.py")
+JOB = Path(__file__).resolve().parents[2] / "devsupport" / "dcp_plugin_job.py"
 MiB = 1024 * 1024
 ROWS, COLS = 3072, 1024  # 12 MiB of float32
 TENSOR_BYTES = ROWS * COLS * 4

@@ -1,7 +1,7 @@
 """A DCP save or load through tierckpt.client.dcp in N ranks (gloo, CPU), for
-tests/e2e/test_dcp_plugin.py and the benchmark's plugin row.
+tests/e2e/test_dcp_plugin.py and the benchmark's dcp_plugin scenario.
 
-    python tests/e2e/dcp_plugin_job.py save|load --server URL --root DIR --world N
+    python devsupport/dcp_plugin_job.py save|load --server URL --root DIR --world N
         [--step S] [--node NODE] [--rows R] [--cols C]
 
 The state: "w", a ROWS x COLS float32 tensor (its values known to every
@@ -80,7 +80,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> None:
                     and loaded["extra"] == {"lr": 0.5}
                 ),
             )
-        report["seconds"] = time.monotonic() - began
+        report["seconds"] = time.monotonic() - began  # save/load, process group up
     finally:
         client.close()
         if world > 1:
