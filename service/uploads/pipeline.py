@@ -2,7 +2,8 @@
 
 Each part is read (``preadv``) into one of a fixed pool of part buffers and
 fed to SHA-256 in a worker thread (hashlib releases the GIL on large
-buffers), strictly in order so one hash covers the file; the part is then
+buffers), strictly in order so one hash covers the file (and, in the same
+pass, one hash per fixed-size chunk: ``storage/chunks.py``); the part is then
 sent while the next one is read. The pool, shared by all files, bounds the
 parts held in memory (``parts_in_flight × part_size``) whatever the
 checkpoint's size, and its buffers are reused: no part is allocated, faulted
