@@ -207,36 +207,48 @@ class RangeFiles:
             self._cache.popitem(last=False)
 
     async def _chunks(self, copies: FileCopies, first: int, last: int) -> bytes:
-        """Chunks ``first`` to ``last`` (inclusive), each verified, from the
-        first copy that has them all right."""
+        """Chunks ``first`` to ``last`` (inclusive), each verified. Copies are
+        tried in order; a chunk that does not verify on one is read again, on
+        its own, from the next (not the whole range: one flipped bit in a
+        large tensor costs one chunk more, not the tensor again)."""
         assert copies.chunk_size is not None and copies.chunk_sha256 is not None
         size = copies.chunk_size
-        start, end = first * size, min((last + 1) * size, copies.size)
-        expected = copies.chunk_sha256[first : last + 1]
-        failures = []
-        if copies.local is not None:
-            try:
-                data = await asyncio.to_thread(_pread, copies.local, start, end - start)
-                self.bytes_by_source[LOCAL] += len(data)
-                bad = _bad_chunk(data, size, expected)
-                if bad is None:
-                    return data
-                failures.append(f"{LOCAL}: chunk {first + bad} does not match its SHA-256")
-            except OSError as exc:
-                failures.append(f"{LOCAL}: {exc}")
-        for remote in copies.remotes:
-            try:
-                data = await self._get(copies, remote, start, end)
-            except SourceError as exc:
-                failures.append(f"{remote.region}: {exc}")
-                continue
-            self.bytes_by_source[remote.region] += len(data)
-            bad = _bad_chunk(data, size, expected)
-            if bad is None:
-                return data
-            failures.append(f"{remote.region}: chunk {first + bad} does not match its SHA-256")
+        base, end = first * size, min((last + 1) * size, copies.size)
+        out = bytearray(end - base)
+        missing = list(range(first, last + 1))
+        failures: list[str] = []
+        sources: list[Remote | None] = [None] if copies.local is not None else []
+        for source in [*sources, *copies.remotes]:
+            name = LOCAL if source is None else source.region
+            still: list[int] = []
+            for run in _runs(missing):
+                start, stop = run[0] * size, min((run[-1] + 1) * size, copies.size)
+                try:
+                    if source is None:
+                        assert copies.local is not None
+                        data = await asyncio.to_thread(_pread, copies.local, start, stop - start)
+                    else:
+                        data = await self._get(copies, source, start, stop)
+                except (OSError, SourceError) as exc:
+                    failures.append(f"{name}: {exc}")
+                    still += run
+                    continue
+                self.bytes_by_source[name] += len(data)
+                expected = copies.chunk_sha256[run[0] : run[-1] + 1]
+                bad = await asyncio.to_thread(_bad_chunks, data, size, expected)
+                for offset, index in enumerate(run):
+                    if offset in bad:
+                        failures.append(f"{name}: chunk {index} does not match its SHA-256")
+                        still.append(index)
+                        continue
+                    piece = data[offset * size : (offset + 1) * size]
+                    at = index * size - base
+                    out[at : at + len(piece)] = piece
+            missing = still
+            if not missing:
+                return bytes(out)
         raise RestoreError(
-            f"no copy of rank {copies.rank} {copies.path} bytes {start}-{end} verifies: "
+            f"no copy of rank {copies.rank} {copies.path} verifies for chunks {missing}: "
             + "; ".join(failures),
             code="all_sources_failed",
         )
@@ -309,13 +321,22 @@ class RangeFiles:
         )
 
 
-def _bad_chunk(data: bytes, chunk_size: int, expected: list[str]) -> int | None:
-    """The index (within ``expected``) of the first chunk of ``data`` whose
-    SHA-256 differs, or None when every one matches."""
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Consecutive runs of sorted ``indices``: one read per run."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][-1] == index - 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
+def _bad_chunks(data: bytes, chunk_size: int, expected: list[str]) -> set[int]:
+    """Positions (within ``expected``) of the chunks of ``data`` whose SHA-256 differs."""
     view = memoryview(data)
-    for index, digest in enumerate(expected):
-        if _sha(view[index * chunk_size : (index + 1) * chunk_size]) != digest:
-            return index
-    if len(expected) * chunk_size < len(data):
-        return len(expected)
-    return None
+    return {
+        index
+        for index, digest in enumerate(expected)
+        if _sha(view[index * chunk_size : (index + 1) * chunk_size]) != digest
+    }
