@@ -16,10 +16,24 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 MiB = 1024 * 1024
 DEFAULT_CHUNK_SIZE = 8 * MiB
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# The chunk hashes of a buffer run in one of these threads while the caller's
+# thread feeds the same buffer to the whole-file hash (hashlib releases the
+# GIL on large buffers): two SHA-256 passes in the time of one, where a core
+# is free. Created on first use.
+_POOL: ThreadPoolExecutor | None = None
+PARALLEL_MIN = 1024 * 1024  # smaller buffers: not worth a thread hop
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tierckpt-chunk-hash")
+    return _POOL
 
 
 def chunk_count(size: int, chunk_size: int) -> int:
@@ -39,7 +53,17 @@ class FileHashes:
         self.chunks: list[str] = []
 
     def update(self, data: memoryview | bytes) -> None:
-        self.whole.update(data)
+        if len(data) < PARALLEL_MIN:
+            self.whole.update(data)
+            self._update_chunks(data)
+            return
+        chunked = _pool().submit(self._update_chunks, data)
+        try:
+            self.whole.update(data)
+        finally:
+            chunked.result()
+
+    def _update_chunks(self, data: memoryview | bytes) -> None:
         view = memoryview(data)
         position = 0
         while position < len(view):

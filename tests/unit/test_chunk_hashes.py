@@ -84,3 +84,15 @@ def test_manifest_refuses_chunk_lists_that_do_not_fit(
     document["files"][0].update(chunk_size=chunk_size, chunk_sha256=chunk_sha256)
     with pytest.raises(InvalidManifest, match="chunk_sha256"):
         parse_manifest(json.dumps(document).encode(), "llm", 7)
+
+
+def test_file_hashes_of_large_buffers_hash_chunks_beside_the_whole() -> None:
+    """Buffers of PARALLEL_MIN and more: chunks hashed in another thread."""
+    data = os.urandom(3 * chunks.MiB + 5)
+    hashes = chunks.FileHashes(chunks.MiB)
+    step = chunks.MiB + chunks.MiB // 2
+    for position in range(0, len(data), step):
+        hashes.update(memoryview(data)[position : position + step])
+    whole, parts = hashes.finish()
+    assert whole == sha(data)
+    assert parts == tuple(sha(data[i : i + chunks.MiB]) for i in range(0, len(data), chunks.MiB))
