@@ -2,7 +2,7 @@
 tests/e2e/test_dcp_plugin.py and the benchmark's dcp_plugin scenario.
 
     python devsupport/dcp_plugin_job.py save|load --server URL --root DIR --world N
-        [--step S] [--node NODE] [--rows R] [--cols C]
+        [--step S] [--node NODE] [--rows R] [--cols C] [--async-save]
 
 The state: "w", a ROWS x COLS float32 tensor (its values known to every
 rank: torch.arange) sharded by rows over the ranks (a DTensor, Shard(0);
@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -57,7 +58,18 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> None:
     report: dict[str, Any] = {"rank": rank, "world": world}
     try:
         began = time.monotonic()
-        if args.mode == "save":
+        if args.mode == "save" and args.async_save:
+            # DCP's advice: the background write's collectives on a group of their own.
+            group = dist.new_group(backend="gloo") if world > 1 else None
+            writer = TierckptWriter(client, RUN, args.step, args.root, process_group=group)
+            pending = dcp.async_save(
+                state(args, rank, world, True), storage_writer=writer, process_group=group
+            )
+            if not isinstance(pending, Future):  # AsyncSaveResponse
+                pending = pending.upload_completion
+            pending.result()
+            report["registered"] = writer.checkpoint is not None
+        elif args.mode == "save":
             writer = TierckptWriter(client, RUN, args.step, args.root)
             dcp.save(state(args, rank, world, True), storage_writer=writer)
             report["registered"] = writer.checkpoint is not None
@@ -106,6 +118,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--node", default=None)
     parser.add_argument("--rows", type=int, default=3072)
     parser.add_argument("--cols", type=int, default=1024)
+    parser.add_argument("--async-save", action="store_true", help="dcp.async_save")
     args = parser.parse_args(argv)
     if args.mode == "save" and args.step is None:
         parser.error("save needs --step")

@@ -108,6 +108,14 @@ def test_save_two_ranks_load_into_three_two_and_one(
     # Only the chunk that failed (bytes 3 MiB to 3 MiB + 4 KiB) came from the region.
     assert one["by_source"]["local"] >= TENSOR_BYTES and one["by_source"]["east"] == CHUNK, one
 
+    # dcp.async_save through the writer (a process group of its own): each
+    # rank registers from DCP's writer thread; the newest step loads.
+    saved = job(agent.url, ssd, "save", 2, "--step", "20", "--async-save")
+    assert all(r["registered"] for r in saved)
+    assert {c["step"]: c["state"] for c in settle(agent.url, "plugin")}[20] == "durable"
+    two = job(agent.url, tmp_path / "r2-async", "load", 2, "--node", "elsewhere")
+    assert all(r["equal"] and r["step"] == 20 for r in two), two
+
 
 def _load_one_rank(url: str, root: Path, node: str) -> tuple[Any, dict[str, Any]]:
     """A 1-rank load in this process (no process group); (reader, state)."""
