@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from .errors import NotFoundError, RestoreError
 from .models import Checkpoint
 from .restore import safe_relpath
 from .sync_client import CheckpointClient
+from .torch.checkpoint_dir import STAGING_PREFIX
 
 log = logging.getLogger("tierckpt.client.dcp")
 METADATA = ".metadata"
@@ -51,7 +53,11 @@ class TierckptWriter(FileSystemWriter):
     directory registered as rank R of the checkpoint once written (the
     coordinator's after ``.metadata``). ``checkpoint``: this rank's
     registration once done. A leftover directory of that step and rank (an
-    earlier life that never registered) is replaced."""
+    earlier life that never registered) is replaced; a rank whose part of
+    the step is registered already (a step replayed after a resume) writes
+    to a throwaway directory instead and leaves the registered files, which
+    the agent may still be uploading, alone (DCP's save is collective: every
+    rank writes)."""
 
     def __init__(
         self,
@@ -78,6 +84,7 @@ class TierckptWriter(FileSystemWriter):
         self._coordinator = self.part_rank == 0
         self._began = time.monotonic()
         self.checkpoint: Checkpoint | None = None
+        self._scratch: Path | None = None  # set: this rank's part is registered already
         super().__init__(str(self.directory), **writer_options)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -91,9 +98,32 @@ class TierckptWriter(FileSystemWriter):
         self._began = time.monotonic()
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        if self.directory.exists():
+        if self._registered_already():
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            self._scratch = Path(
+                tempfile.mkdtemp(
+                    prefix=f"{STAGING_PREFIX}rank-{self.part_rank:05d}-", dir=self.directory.parent
+                )
+            )
+            self.path = self.fs.init_path(self._scratch)
+            log.info(
+                "%s step %d rank %d is registered already; not saved again",
+                self.run,
+                self.step,
+                self.part_rank,
+            )
+        elif self.directory.exists():
             shutil.rmtree(self.directory)
         return super().prepare_local_plan(plan)
+
+    def _registered_already(self) -> bool:
+        try:
+            detail = self.client.get(self.run, self.step)
+        except NotFoundError:
+            return False
+        return detail.state not in ("failed", "deleted") and any(
+            shard.rank == self.part_rank for shard in detail.shards
+        )
 
     def write_data(self, plan: Any, planner: Any) -> Future[Any]:
         written = super().write_data(plan, planner)
@@ -107,6 +137,9 @@ class TierckptWriter(FileSystemWriter):
         self._register()  # the coordinator's part includes .metadata
 
     def _register(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            return
         self.checkpoint = self.client.register(
             self.run,
             self.step,

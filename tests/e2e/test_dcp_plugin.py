@@ -75,6 +75,15 @@ def test_save_two_ranks_load_into_three_two_and_one(
     (checkpoint,) = settle(agent.url, "plugin")
     assert checkpoint["state"] == "durable" and checkpoint["world_size"] == 2
 
+    # The same step saved again (replayed after a resume): the registered
+    # files stay as they are, nothing is registered twice, no scratch left.
+    files = sorted((ssd / "plugin" / "step-10").rglob("*"))
+    stamps = [(p, p.stat().st_mtime_ns) for p in files]
+    again = job(agent.url, ssd, "save", 2, "--step", "10")
+    assert not any(r["registered"] for r in again)
+    assert sorted((ssd / "plugin" / "step-10").rglob("*")) == files
+    assert [(p, p.stat().st_mtime_ns) for p in files] == stamps
+
     # 2 -> 3 from the region (another node: no T0 copy to read).
     three = job(agent.url, tmp_path / "r3", "load", 3, "--node", "elsewhere")
     print("2->3 bytes per rank:", [r["bytes_read"] for r in three])
