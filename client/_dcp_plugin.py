@@ -32,7 +32,7 @@ from ._api import auth_headers
 from ._dcp_slices import read_slice
 from ._download import TransferOptions
 from ._verified_ranges import FileCopies, RangeFiles, Remote
-from .errors import NotFoundError, RestoreError
+from .errors import NotFoundError, RestoreError, TierckptError
 from .models import Checkpoint
 from .restore import safe_relpath
 from .sync_client import CheckpointClient
@@ -157,14 +157,22 @@ class TierckptWriter(FileSystemWriter):
 def _latest_step(client: CheckpointClient, run: str, region: str | None, process_group: Any) -> int:
     """The latest valid step as rank 0 sees it, the same on every rank."""
     rank, world = _rank_and_world(process_group)
-    step = None
+    step: int | str | None = None
     if rank == 0:
-        latest = client.latest(run, region=region)
-        step = None if latest is None else latest.step
+        try:
+            latest = client.latest(run, region=region)
+            step = None if latest is None else latest.step
+        except Exception as exc:
+            if world == 1:
+                raise
+            # Every rank waits in the broadcast: they raise too, not hang.
+            step = f"rank 0 could not ask for the latest step: {exc}"
     if world > 1:
         box = [step]
         dist.broadcast_object_list(box, group=process_group, group_src=0)
         step = box[0]
+    if isinstance(step, str):
+        raise TierckptError(step)
     if step is None:
         raise NotFoundError(f"run {run} has no valid checkpoint", code="no_valid_checkpoint")
     return int(step)
