@@ -210,41 +210,52 @@ class RangeFiles:
         """Chunks ``first`` to ``last`` (inclusive), each verified. Copies are
         tried in order; a chunk that does not verify on one is read again, on
         its own, from the next (not the whole range: one flipped bit in a
-        large tensor costs one chunk more, not the tensor again)."""
+        large tensor costs one chunk more, not the tensor again). A long run
+        is read as several ranges at once (``options.range_size``, at most
+        ``options.concurrency`` in flight), as a restore reads a file."""
         assert copies.chunk_size is not None and copies.chunk_sha256 is not None
-        size = copies.chunk_size
+        size, hashes = copies.chunk_size, copies.chunk_sha256
         base, end = first * size, min((last + 1) * size, copies.size)
         out = bytearray(end - base)
         missing = list(range(first, last + 1))
         failures: list[str] = []
+        per_read = max(1, self.options.range_size // size)
+        limit = asyncio.Semaphore(self.options.concurrency)
         sources: list[Remote | None] = [None] if copies.local is not None else []
         for source in [*sources, *copies.remotes]:
             name = LOCAL if source is None else source.region
-            still: list[int] = []
-            for run in _runs(missing):
-                start, stop = run[0] * size, min((run[-1] + 1) * size, copies.size)
-                try:
-                    if source is None:
-                        assert copies.local is not None
-                        data = await asyncio.to_thread(_pread, copies.local, start, stop - start)
-                    else:
-                        data = await self._get(copies, source, start, stop)
-                except (OSError, SourceError) as exc:
-                    failures.append(f"{name}: {exc}")
-                    still += run
-                    continue
+
+            async def read(
+                piece: list[int], source: Remote | None = source, name: str = name
+            ) -> list[int]:
+                """Reads ``piece`` into ``out``; returns the chunks still missing."""
+                start, stop = piece[0] * size, min((piece[-1] + 1) * size, copies.size)
+                async with limit:
+                    try:
+                        if source is None:
+                            assert copies.local is not None
+                            data = await asyncio.to_thread(
+                                _pread, copies.local, start, stop - start
+                            )
+                        else:
+                            data = await self._get(copies, source, start, stop)
+                    except (OSError, SourceError) as exc:
+                        failures.append(f"{name}: {exc}")
+                        return piece
                 self.bytes_by_source[name] += len(data)
-                expected = copies.chunk_sha256[run[0] : run[-1] + 1]
+                expected = hashes[piece[0] : piece[-1] + 1]
                 bad = await asyncio.to_thread(_bad_chunks, data, size, expected)
-                for offset, index in enumerate(run):
-                    if offset in bad:
-                        failures.append(f"{name}: chunk {index} does not match its SHA-256")
-                        still.append(index)
-                        continue
-                    piece = data[offset * size : (offset + 1) * size]
-                    at = index * size - base
-                    out[at : at + len(piece)] = piece
-            missing = still
+                out[start - base : stop - base] = data
+                failures.extend(f"{name}: chunk {piece[i]} does not match its SHA-256" for i in bad)
+                return [piece[i] for i in sorted(bad)]
+
+            pieces = [
+                run[i : i + per_read]
+                for run in _runs(missing)
+                for i in range(0, len(run), per_read)
+            ]
+            left = await asyncio.gather(*(read(piece) for piece in pieces))
+            missing = sorted(index for still in left for index in still)
             if not missing:
                 return bytes(out)
         raise RestoreError(
