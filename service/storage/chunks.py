@@ -44,8 +44,10 @@ class FileHashes:
     """The whole-file SHA-256 and the chunks' SHA-256s, fed in file order."""
 
     def __init__(self, chunk_size: int) -> None:
-        if chunk_size < 1:
-            raise ValueError("chunk_size must be >= 1")
+        """``chunk_size`` 0: the whole-file hash only (``[upload]
+        chunk_size_mb = 0`` saves the second pass's CPU)."""
+        if chunk_size < 0:
+            raise ValueError("chunk_size must be >= 0")
         self.chunk_size = chunk_size
         self.whole = hashlib.sha256()
         self._chunk = hashlib.sha256()
@@ -53,6 +55,9 @@ class FileHashes:
         self.chunks: list[str] = []
 
     def update(self, data: memoryview | bytes) -> None:
+        if not self.chunk_size:
+            self.whole.update(data)
+            return
         if len(data) < PARALLEL_MIN:
             self.whole.update(data)
             self._update_chunks(data)
@@ -79,8 +84,11 @@ class FileHashes:
         self._chunk = hashlib.sha256()
         self._filled = 0
 
-    def finish(self) -> tuple[str, tuple[str, ...]]:
-        """(whole-file SHA-256, chunk SHA-256s); call once, after the last update."""
+    def finish(self) -> tuple[str, tuple[str, ...] | None]:
+        """(whole-file SHA-256, chunk SHA-256s or None when not hashed); call
+        once, after the last update."""
+        if not self.chunk_size:
+            return self.whole.hexdigest(), None
         if self._filled:
             self._close_chunk()
         return self.whole.hexdigest(), tuple(self.chunks)

@@ -119,7 +119,7 @@ def _hash_span(
 
 async def hash_local(
     source: SourceFile, roots: list[Path], chunk_size: int = DEFAULT_CHUNK_SIZE
-) -> tuple[str, tuple[str, ...]]:
+) -> tuple[str, tuple[str, ...] | None]:
     """SHA-256 of the registered local file and of its chunks (chunks.py: a
     copied file needs them as much as a sent one), refusing it
     (SourceChanged) if it is not what was registered, before or after the read."""
@@ -222,7 +222,7 @@ class Deduplicator:
                     size=source.size,
                     sha256=digest,
                     copied=True,
-                    chunk_size=self.chunk_size,
+                    chunk_size=self.chunk_size if chunk_digests is not None else None,
                     chunk_sha256=chunk_digests,
                 )
         return None

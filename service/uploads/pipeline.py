@@ -133,7 +133,7 @@ async def upload_file(
         relative=source.relative,
         size=source.size,
         sha256=digest,
-        chunk_size=limits.chunk_size,
+        chunk_size=limits.chunk_size if chunk_digests is not None else None,
         chunk_sha256=chunk_digests,
     )
 

@@ -67,3 +67,21 @@ async def test_chunk_hashes_in_catalog_manifest_and_plan(
         # Without ?chunks the plan stays as it was (no hashes to send).
         plain = (await agent.http.get("/v1/runs/llm/checkpoints/1/download")).json()
         assert all(f["chunk_sha256"] is None for f in plain["sources"][0]["files"])
+
+
+async def test_chunk_hashes_off(catalog_url: str, tmp_path: Path) -> None:
+    """[upload] chunk_size_mb = 0: whole-file hashes only; the manifest and
+    the plan then look as before chunk hashes existed (readers verify whole
+    files)."""
+    async with running_agent(catalog_url, tmp_path, upload={"chunk_size_mb": 0}) as agent:
+        path = write_checkpoint(agent.ssd / "step-1", {"w.bin": 3 * MiB})
+        assert (await agent.register("off", 1, path)).status_code == 202
+        assert (await agent.wait_state("off", 1))["state"] == "durable"
+        plan = (await agent.http.get("/v1/runs/off/checkpoints/1/download?chunks=true")).json()
+        (entry,) = plan["sources"][0]["files"]
+        assert entry["chunk_size"] is None and entry["chunk_sha256"] is None
+        region = agent.settings.regions[0]
+        manifest = json.loads(
+            (Path(region.root) / "off" / "step-000000000001" / "MANIFEST.json").read_bytes()
+        )
+        assert set(manifest["files"][0]) == {"rank", "path", "size", "sha256"}

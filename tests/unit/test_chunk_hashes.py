@@ -96,3 +96,11 @@ def test_file_hashes_of_large_buffers_hash_chunks_beside_the_whole() -> None:
     whole, parts = hashes.finish()
     assert whole == sha(data)
     assert parts == tuple(sha(data[i : i + chunks.MiB]) for i in range(0, len(data), chunks.MiB))
+
+
+def test_chunk_size_zero_hashes_the_whole_file_only() -> None:
+    hashes = chunks.FileHashes(0)
+    hashes.update(os.urandom(2 * chunks.MiB))
+    hashes.update(b"tail")
+    whole, parts = hashes.finish()
+    assert len(whole) == 64 and parts is None
