@@ -233,13 +233,18 @@ def release_segment(segment_id: str) -> Call[None]:
 
 
 def restore_plan(
-    run: str, step: int, *, region: str | None = None, rank: int | None = None
+    run: str,
+    step: int,
+    *,
+    region: str | None = None,
+    rank: int | None = None,
+    chunks: bool = False,
 ) -> Call[RestorePlan]:
     return Call(
         "GET",
         f"/v1/runs/{_seg(run)}/checkpoints/{_seg(step)}/download",
         RestorePlan.model_validate,
-        params=_query(region=region, rank=rank),
+        params=_query(region=region, rank=rank, chunks="true" if chunks else None),
     )
 
 

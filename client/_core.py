@@ -335,10 +335,16 @@ class ClientCore:
             yield _effects.Sleep(delay)
 
     def _restore_plan(
-        self, run: str, step: int | None = None, region: str | None = None, rank: int | None = None
+        self,
+        run: str,
+        step: int | None = None,
+        region: str | None = None,
+        rank: int | None = None,
+        chunks: bool = False,
     ) -> Flow[RestorePlan]:
         """Where each file of a checkpoint can be downloaded from; ``step``
-        defaults to the latest valid checkpoint."""
+        defaults to the latest valid checkpoint. ``chunks``: with each file's
+        chunk hashes (to verify byte ranges, see ``tierckpt.client.dcp``)."""
         if step is None:
             latest = yield from self._latest(run, region=region)
             if latest is None:
@@ -346,7 +352,8 @@ class ClientCore:
                     f"run {run} has no valid checkpoint", code="no_valid_checkpoint"
                 )
             step = latest.step
-        return (yield from self._send(_api.restore_plan(run, step, region=region, rank=rank)))
+        call = _api.restore_plan(run, step, region=region, rank=rank, chunks=chunks)
+        return (yield from self._send(call))
 
     def _restore(
         self,

@@ -218,6 +218,9 @@ class PlanFile(_Model):
     size: int = Field(ge=0)
     sha256: str | None = None
     url: str
+    # Asked for with chunks=True; None for files uploaded before chunk hashes.
+    chunk_size: int | None = None
+    chunk_sha256: list[str] | None = None
 
 
 class RestoreSource(_Model):

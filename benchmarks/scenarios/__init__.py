@@ -19,6 +19,7 @@ from types import ModuleType
 from . import (
     catalog_latest,
     cpu,
+    dcp_plugin,
     dedup,
     large_files,
     memory,
@@ -43,6 +44,7 @@ SCENARIOS: list[ModuleType] = [
     dedup,
     large_files,
     memory,
+    dcp_plugin,
 ]
 
 

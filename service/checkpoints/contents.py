@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..models import Checkpoint, File, Run, Shard, ShardState
-from ..storage import layout
+from ..storage import chunks, layout
 from ..storage.manifest import ObjectEntry, build_manifest
 
 
@@ -50,7 +50,15 @@ async def load_contents(session: AsyncSession, checkpoint: Checkpoint) -> Conten
     run = await session.get_one(Run, checkpoint.run_id)
     rows = (
         await session.execute(
-            select(Shard.rank, Shard.state, File.path, File.size, File.sha256)
+            select(
+                Shard.rank,
+                Shard.state,
+                File.path,
+                File.size,
+                File.sha256,
+                File.chunk_size,
+                File.chunk_sha256,
+            )
             .join(File, File.shard_id == Shard.id)
             .where(Shard.checkpoint_id == checkpoint.id)
         )
@@ -59,7 +67,16 @@ async def load_contents(session: AsyncSession, checkpoint: Checkpoint) -> Conten
         row.state == ShardState.UPLOADED and row.sha256 is not None for row in rows
     )
     objects = [
-        ObjectEntry.of(run.name, checkpoint.step, row.rank, row.path, row.size, row.sha256 or "")
+        ObjectEntry.of(
+            run.name,
+            checkpoint.step,
+            row.rank,
+            row.path,
+            row.size,
+            row.sha256 or "",
+            row.chunk_size,
+            None if row.chunk_sha256 is None else chunks.decode(row.chunk_sha256),
+        )
         for row in rows
     ]
     return Contents(run=run.name, objects=objects, complete=complete)

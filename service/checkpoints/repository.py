@@ -109,6 +109,27 @@ async def file_rows(session: AsyncSession, checkpoint_id: int) -> Sequence[FileR
     return rows.all()
 
 
+async def chunk_hashes(
+    session: AsyncSession, checkpoint_id: int
+) -> dict[tuple[int, str], tuple[int, str]]:
+    """(rank, path) -> (chunk_size, concatenated chunk SHA-256s) of the
+    checkpoint's files that have them (storage/chunks.py)."""
+    rows = await session.execute(
+        select(Shard.rank, File.path, File.chunk_size, File.chunk_sha256)
+        .join(File, File.shard_id == Shard.id)
+        .where(
+            Shard.checkpoint_id == checkpoint_id,
+            File.chunk_size.is_not(None),
+            File.chunk_sha256.is_not(None),
+        )
+    )
+    return {
+        (rank, path): (size, joined)
+        for rank, path, size, joined in rows
+        if size is not None and joined is not None
+    }
+
+
 async def children_of(session: AsyncSession, run: str, step: int) -> list[tuple[str, int]]:
     rows = await session.execute(children_statement(run, step))
     return [(name, child_step) for name, child_step in rows]

@@ -128,9 +128,10 @@ async def restore_plan(
     principal: PrincipalDep,
     region: str | None = None,
     rank: Annotated[int | None, Query(ge=0)] = None,
+    chunks: bool = False,
 ) -> RestorePlan:
     authorize(principal, Action.READ, run)
-    return await service.restore_plan(run, step, region, rank)
+    return await service.restore_plan(run, step, region, rank, chunks)
 
 
 @router.post("/runs/{run}/checkpoints/{step}/verify", status_code=202, response_model=CheckpointOut)

@@ -212,6 +212,10 @@ class PlanFile(BaseModel):
     size: int
     sha256: str
     url: str
+    # With ?chunks=true, when the catalog has them (storage/chunks.py): the
+    # SHA-256 of every chunk_size chunk, so a reader verifies byte ranges.
+    chunk_size: int | None = None
+    chunk_sha256: list[str] | None = None
 
 
 class PlanSource(BaseModel):

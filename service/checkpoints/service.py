@@ -22,6 +22,7 @@ from ..models import (
 from ..observability import metrics
 from ..resources import Resources
 from ..storage import layout
+from ..storage.chunks import decode as decode_chunks
 from ..storage.manifest import shard_fingerprint
 from . import repository as repo
 from .batch_write import Outcome, Registration
@@ -322,7 +323,7 @@ class CheckpointService:
     # -- restore plan --------------------------------------------------------
 
     async def restore_plan(
-        self, run: str, step: int, region: str | None, rank: int | None
+        self, run: str, step: int, region: str | None, rank: int | None, chunks: bool = False
     ) -> RestorePlan:
         checkpoint = await self._checkpoint(run, step)
         if checkpoint.state not in (CheckpointState.DURABLE, CheckpointState.REPLICATED):
@@ -340,6 +341,12 @@ class CheckpointService:
         files = [
             f for f in await repo.file_rows(self.session, checkpoint.id) if rank in (None, f.rank)
         ]
+        hashes = {
+            file: (size, list(decode_chunks(joined)))
+            for file, (size, joined) in (
+                await repo.chunk_hashes(self.session, checkpoint.id) if chunks else {}
+            ).items()
+        }
         committed = [
             r.region
             for r in await repo.replicas_of(self.session, [checkpoint.id])
@@ -356,6 +363,7 @@ class CheckpointService:
                 url = await store.presign_get(key)
                 if url is None:
                     url = f"/v1/regions/{name}/objects/{quote(key)}"
+                chunk_size, chunk_list = hashes.get((f.rank, f.file_path), (None, None))
                 plan_files.append(
                     PlanFile(
                         rank=f.rank,
@@ -363,6 +371,8 @@ class CheckpointService:
                         size=f.file_size,
                         sha256=f.file_sha256 or "",
                         url=url,
+                        chunk_size=chunk_size,
+                        chunk_sha256=chunk_list,
                     )
                 )
             sources.append(PlanSource(region=name, files=plan_files))

@@ -27,3 +27,8 @@ class File(Base):
     expected_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # Computed by the upload while streaming the bytes; None until then.
     sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The SHA-256 of every chunk_size chunk, hex digests concatenated
+    # (storage/chunks.py), from the same read: a reader verifies the byte
+    # ranges it reads with them. None: uploaded before chunks were hashed.
+    chunk_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    chunk_sha256: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -44,7 +44,7 @@ from ..models import (
     ShardState,
     utcnow,
 )
-from ..storage import layout
+from ..storage import chunks, layout
 from ..storage.base import ObjectInfo
 from ..storage.manifest import Content, ObjectEntry, shard_fingerprint
 from .check import RegionCheck, judge
@@ -198,6 +198,10 @@ async def create(
                     "mtime_ns": 0,
                     "expected_sha256": e.sha256,
                     "sha256": e.sha256,
+                    "chunk_size": e.chunk_size,
+                    "chunk_sha256": None
+                    if e.chunk_sha256 is None
+                    else chunks.encode(e.chunk_sha256),
                 }
                 for e in canonical.files
             ],

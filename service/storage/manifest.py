@@ -13,6 +13,10 @@ Invariants:
   then path), so a replica's ``manifest_sha256`` can be compared across
   regions and over time. A region with a hashed key prefix says so
   (``key_layout``, see layout.py); the plain layout writes no such field.
+- A file whose chunk hashes are known (``storage/chunks.py``) also lists
+  ``chunk_size`` and ``chunk_sha256``; one without them is written exactly
+  as before, so a manifest of a checkpoint uploaded before chunk hashes
+  existed keeps its bytes.
 - ``parse_manifest`` trusts nothing: the bytes come from a bucket, maybe
   written by hand. Every field a catalog row or an object key is built from
   is checked, and a manifest that fails a check raises ``InvalidManifest``
@@ -26,12 +30,12 @@ import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from ..names import NAME_PATTERN
-from . import layout
+from . import chunks, layout
 
 FORMAT = "tierckpt.manifest/1"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -46,10 +50,32 @@ class ObjectEntry:
     key: str
     size: int
     sha256: str
+    # The chunks' SHA-256s (chunks.py), None when unknown. Not part of the
+    # entry's identity: two copies of an object agree when key, size and
+    # SHA-256 do, whether or not one of them was described with chunks.
+    chunk_size: int | None = field(default=None, compare=False)
+    chunk_sha256: tuple[str, ...] | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, run: str, step: int, rank: int, path: str, size: int, sha256: str) -> ObjectEntry:
-        return cls(layout.object_key(run, step, rank, path), size, sha256)
+    def of(
+        cls,
+        run: str,
+        step: int,
+        rank: int,
+        path: str,
+        size: int,
+        sha256: str,
+        chunk_size: int | None = None,
+        chunk_sha256: Sequence[str] | None = None,
+    ) -> ObjectEntry:
+        known = chunk_size is not None and chunk_sha256 is not None
+        return cls(
+            layout.object_key(run, step, rank, path),
+            size,
+            sha256,
+            chunk_size if known else None,
+            tuple(chunk_sha256) if known and chunk_sha256 is not None else None,
+        )
 
     @property
     def rank(self) -> int:
@@ -99,14 +125,24 @@ def build_manifest(
         "metrics": metrics,
         "metadata": metadata,
         "created_at": created_at.isoformat() + "Z",
-        "files": [
-            {"rank": rank, "path": path, "size": e.size, "sha256": e.sha256}
-            for rank, path, e in listed
-        ],
+        "files": [_file_document(rank, path, e) for rank, path, e in listed],
     }
     if key_layout is not None:
         document["key_layout"] = key_layout
     return json.dumps(document, indent=1, sort_keys=True, ensure_ascii=False).encode()
+
+
+def _file_document(rank: int, path: str, entry: ObjectEntry) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "rank": rank,
+        "path": path,
+        "size": entry.size,
+        "sha256": entry.sha256,
+    }
+    if entry.chunk_size is not None and entry.chunk_sha256 is not None:
+        document["chunk_size"] = entry.chunk_size
+        document["chunk_sha256"] = list(entry.chunk_sha256)
+    return document
 
 
 def manifest_digest(data: bytes) -> str:
@@ -243,7 +279,14 @@ def _files(raw_files: Any, run: str, step: int, world_size: int) -> tuple[Object
             raise InvalidManifest(f"file {path!r} of rank {rank} is listed twice")
         seen.add((rank, path))
         size = _integer("files[].size", raw.get("size"))
-        files.append(ObjectEntry.of(run, step, rank, path, size, sha256))
+        chunk_size, chunk_sha256 = raw.get("chunk_size"), raw.get("chunk_sha256")
+        if (chunk_size, chunk_sha256) != (None, None) and not chunks.valid(
+            size, chunk_size, chunk_sha256
+        ):
+            raise InvalidManifest(
+                f"file {path!r}: chunk_sha256 must list one SHA-256 per chunk_size chunk"
+            )
+        files.append(ObjectEntry.of(run, step, rank, path, size, sha256, chunk_size, chunk_sha256))
     return tuple(sorted(files))
 
 

@@ -33,7 +33,6 @@ registration fails exactly as it would in the upload.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from ..db import reading
 from ..models import VALID_STATES, Checkpoint, File, Replica, ReplicaState, Run, Shard
 from ..storage import layout
 from ..storage.base import ObjectStore, StoreError
+from ..storage.chunks import DEFAULT_CHUNK_SIZE, FileHashes
 from .pipeline import UploadedFile
 from .source import SourceChanged, SourceFile, check_unchanged, open_checked
 
@@ -106,7 +106,7 @@ def _read_probes(source: SourceFile, roots: list[Path]) -> list[bytes]:
 
 
 def _hash_span(
-    fd: int, offset: int, length: int, buffer: memoryview, hasher: hashlib._Hash, source: SourceFile
+    fd: int, offset: int, length: int, buffer: memoryview, hasher: FileHashes, source: SourceFile
 ) -> None:
     end = offset + length
     while offset < end:
@@ -117,12 +117,15 @@ def _hash_span(
         offset += got
 
 
-async def hash_local(source: SourceFile, roots: list[Path]) -> str:
-    """SHA-256 of the registered local file, refusing it (SourceChanged) if it
-    is not what was registered, before or after the read."""
+async def hash_local(
+    source: SourceFile, roots: list[Path], chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[str, tuple[str, ...] | None]:
+    """SHA-256 of the registered local file and of its chunks (chunks.py: a
+    copied file needs them as much as a sent one), refusing it
+    (SourceChanged) if it is not what was registered, before or after the read."""
     fd = await asyncio.to_thread(open_checked, source, roots)
     try:
-        hasher = hashlib.sha256()
+        hasher = FileHashes(chunk_size)
         buffer = memoryview(bytearray(min(HASH_BUFFER, max(source.size, 1))))
         for offset in range(0, source.size, HASH_SPAN):
             length = min(HASH_SPAN, source.size - offset)
@@ -130,7 +133,7 @@ async def hash_local(source: SourceFile, roots: list[Path]) -> str:
         await asyncio.to_thread(check_unchanged, fd, source)
     finally:
         os.close(fd)
-    return hasher.hexdigest()
+    return hasher.finish()
 
 
 class Deduplicator:
@@ -147,7 +150,9 @@ class Deduplicator:
         store: ObjectStore,
         checkpoint_id: int,
         candidates: dict[tuple[str, int], Candidate],
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
+        self.chunk_size = chunk_size
         self.sessionmaker = sessionmaker
         self.store = store
         self.checkpoint_id = checkpoint_id
@@ -162,6 +167,7 @@ class Deduplicator:
         checkpoint_id: int,
         run: str,
         rank: int,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> Deduplicator:
         try:
             candidates = await _recent_candidates(
@@ -171,7 +177,7 @@ class Deduplicator:
             # Without candidates, only client-given hashes are looked up.
             log.warning("dedup: reading earlier checkpoints failed", exc_info=True)
             candidates = {}
-        return cls(sessionmaker, store, checkpoint_id, candidates)
+        return cls(sessionmaker, store, checkpoint_id, candidates, chunk_size)
 
     async def __call__(self, source: SourceFile, roots: list[Path]) -> UploadedFile | None:
         if source.size < MIN_DEDUP_BYTES:
@@ -192,7 +198,7 @@ class Deduplicator:
             keys = await self.lookup(source.expected_sha256, source.size)
             if not keys:
                 return None
-            digest = await hash_local(source, roots)
+            digest, chunk_digests = await hash_local(source, roots, self.chunk_size)
             if digest != source.expected_sha256:
                 raise SourceChanged(
                     f"{source.relative}: SHA-256 {digest} does not match the "
@@ -202,7 +208,7 @@ class Deduplicator:
             candidate = self.candidates.get((source.relative, source.size))
             if candidate is None or not await self._probes_match(source, roots, candidate.key):
                 return None
-            digest = await hash_local(source, roots)
+            digest, chunk_digests = await hash_local(source, roots, self.chunk_size)
             keys = [candidate.key] if candidate.sha256 == digest else []
             keys += [k for k in await self.lookup(digest, source.size) if k not in keys]
             if not keys:
@@ -212,7 +218,12 @@ class Deduplicator:
         for key in keys[:MAX_SOURCES]:
             if await self._copy(key, source):
                 return UploadedFile(
-                    relative=source.relative, size=source.size, sha256=digest, copied=True
+                    relative=source.relative,
+                    size=source.size,
+                    sha256=digest,
+                    copied=True,
+                    chunk_size=self.chunk_size if chunk_digests is not None else None,
+                    chunk_sha256=chunk_digests,
                 )
         return None
 

@@ -35,7 +35,7 @@ from ..models import (
 )
 from ..observability import metrics
 from ..resources import Resources
-from ..storage import layout
+from ..storage import chunks, layout
 from ..storage.base import ObjectStore, StoreError
 from ..storage.leftovers import abort_left_uploads
 from ..storage.manifest import manifest_digest
@@ -69,7 +69,11 @@ class UploadJobs:
     def __init__(self, resources: Resources) -> None:
         self.r = resources
         upload = resources.settings.upload
-        self.limits = UploadLimits.of(upload.part_size_mb * 1024 * 1024, upload.parts_in_flight)
+        self.limits = UploadLimits.of(
+            upload.part_size_mb * 1024 * 1024,
+            upload.parts_in_flight,
+            chunk_size=upload.chunk_size_mb * 1024 * 1024,
+        )
         self.files_in_flight = asyncio.Semaphore(upload.files_in_flight)
 
     def handlers(self) -> dict[str, JobHandler]:
@@ -127,7 +131,12 @@ class UploadJobs:
         # a repair, which rewrites a damaged copy from T0 by design.
         dedup = (
             await Deduplicator.prepare(
-                self.r.sessionmaker, store, checkpoint_id=job.checkpoint_id, run=run_name, rank=rank
+                self.r.sessionmaker,
+                store,
+                checkpoint_id=job.checkpoint_id,
+                run=run_name,
+                rank=rank,
+                chunk_size=self.limits.chunk_size,
             )
             if self.r.settings.upload.dedup and not repair
             else None
@@ -140,7 +149,7 @@ class UploadJobs:
         metrics.observe_upload(job.region, sent, repair=repair)
         metrics.observe_dedup(job.region, sum(u.size for u in uploaded) - sent)
 
-        by_path = {u.relative: u.sha256 for u in uploaded}
+        by_path = {u.relative: u for u in uploaded}
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await locked(session, job.checkpoint_id)
             deleted = checkpoint.state == CheckpointState.DELETED
@@ -349,21 +358,32 @@ async def _withdraw(store: ObjectStore, keys: list[str]) -> None:
 
 
 async def _record_hashes(
-    session: AsyncSession, shard_id: int | None, hashes: dict[str, str]
+    session: AsyncSession, shard_id: int | None, uploaded: dict[str, UploadedFile]
 ) -> None:
-    """Store the SHA-256 each upload computed; with several regions uploading
-    the same T0 files, every later read must agree with the first. One
-    statement for all the shard's files (an executemany): the transaction
-    holds the catalog's write lock (SQLite), which a statement per file
-    would hold for as many round trips as the shard has files."""
+    """Store the SHA-256 (and the chunk hashes) each upload computed; with
+    several regions uploading the same T0 files, every later read must agree
+    with the first. One statement for all the shard's files (an
+    executemany): the transaction holds the catalog's write lock (SQLite),
+    which a statement per file would hold for as many round trips as the
+    shard has files."""
     files = await session.execute(
-        select(File.id, File.path, File.sha256).where(File.shard_id == shard_id)
+        select(File.id, File.path, File.sha256, File.chunk_sha256).where(File.shard_id == shard_id)
     )
     missing = []
-    for file_id, path, known in files:
-        digest = hashes[path]
-        if known is None:
-            missing.append({"id": file_id, "sha256": digest})
+    for file_id, path, known, known_chunks in files:
+        upload = uploaded[path]
+        digest = upload.sha256
+        if known is None or (known == digest and known_chunks is None and upload.chunk_sha256):
+            missing.append(
+                {
+                    "id": file_id,
+                    "sha256": digest,
+                    "chunk_size": upload.chunk_size,
+                    "chunk_sha256": None
+                    if upload.chunk_sha256 is None
+                    else chunks.encode(upload.chunk_sha256),
+                }
+            )
         elif known != digest:
             raise HashDisagrees(
                 f"{path}: SHA-256 {digest} differs from {known} read earlier; "

@@ -2,7 +2,8 @@
 
 Each part is read (``preadv``) into one of a fixed pool of part buffers and
 fed to SHA-256 in a worker thread (hashlib releases the GIL on large
-buffers), strictly in order so one hash covers the file; the part is then
+buffers), strictly in order so one hash covers the file (and, in the same
+pass, one hash per fixed-size chunk: ``storage/chunks.py``); the part is then
 sent while the next one is read. The pool, shared by all files, bounds the
 parts held in memory (``parts_in_flight × part_size``) whatever the
 checkpoint's size, and its buffers are reused: no part is allocated, faulted
@@ -15,13 +16,13 @@ aiohttp — measured at ~1.4 s of loop time per GB).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..storage.base import ObjectStore, PartRef
+from ..storage.chunks import DEFAULT_CHUNK_SIZE, FileHashes
 from .source import SourceChanged, SourceFile, check_unchanged, open_checked, read_into
 
 
@@ -48,10 +49,18 @@ class PartBuffers:
 class UploadLimits:
     part_size: int
     parts: PartBuffers
+    # The size of the chunks hashed one by one beside the whole file (chunks.py).
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
     @classmethod
-    def of(cls, part_size: int, parts_in_flight: int) -> UploadLimits:
-        return cls(part_size=part_size, parts=PartBuffers(parts_in_flight, part_size))
+    def of(
+        cls, part_size: int, parts_in_flight: int, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> UploadLimits:
+        return cls(
+            part_size=part_size,
+            parts=PartBuffers(parts_in_flight, part_size),
+            chunk_size=chunk_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,9 @@ class UploadedFile:
     # True when the bytes were not sent but copied server-side from an
     # identical object already in the region (see dedup.py).
     copied: bool = False
+    # The SHA-256 of each chunk_size chunk, from the same read (chunks.py).
+    chunk_size: int | None = None
+    chunk_sha256: tuple[str, ...] | None = None
 
 
 # Called before anything is read: a copy that replaces the upload, or None
@@ -70,7 +82,7 @@ Dedup = Callable[[SourceFile, list[Path]], Awaitable[UploadedFile | None]]
 
 
 def _read_and_hash(
-    fd: int, offset: int, buffer: bytearray, length: int, source: SourceFile, hasher: hashlib._Hash
+    fd: int, offset: int, buffer: bytearray, length: int, source: SourceFile, hasher: FileHashes
 ) -> memoryview:
     """Fill ``buffer[:length]`` from the file, hash it; the part to send is a
     view of the buffer (the store sends it without copying, see s3._body)."""
@@ -93,7 +105,7 @@ async def upload_file(
             return copied
     fd = await asyncio.to_thread(open_checked, source, roots)
     try:
-        hasher = hashlib.sha256()
+        hasher = FileHashes(limits.chunk_size)
         if source.size <= limits.part_size:
             buffer = await limits.parts.acquire()
             try:
@@ -111,20 +123,26 @@ async def upload_file(
         await asyncio.to_thread(check_unchanged, fd, source)
     finally:
         os.close(fd)
-    digest = hasher.hexdigest()
+    digest, chunk_digests = hasher.finish()
     if source.expected_sha256 and digest != source.expected_sha256:
         raise SourceChanged(
             f"{source.relative}: SHA-256 {digest} does not match the {source.expected_sha256} "
             "given at registration"
         )
-    return UploadedFile(relative=source.relative, size=source.size, sha256=digest)
+    return UploadedFile(
+        relative=source.relative,
+        size=source.size,
+        sha256=digest,
+        chunk_size=limits.chunk_size if chunk_digests is not None else None,
+        chunk_sha256=chunk_digests,
+    )
 
 
 async def _multipart(
     store: ObjectStore,
     source: SourceFile,
     fd: int,
-    hasher: hashlib._Hash,
+    hasher: FileHashes,
     limits: UploadLimits,
 ) -> None:
     upload = await store.create_multipart(source.key)

@@ -137,9 +137,11 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     real = dedup_module.hash_local
 
-    async def counting(source: SourceFile, roots: list[Path]) -> str:
+    async def counting(
+        source: SourceFile, roots: list[Path], chunk_size: int = 8 << 20
+    ) -> tuple[str, tuple[str, ...]]:
         calls.append(source.relative)
-        return await real(source, roots)
+        return await real(source, roots, chunk_size)
 
     monkeypatch.setattr(dedup_module, "hash_local", counting)
     return calls
@@ -352,7 +354,9 @@ async def test_catalog_or_store_errors_fall_back_to_the_upload(tmp_path: Path) -
 async def test_hash_local_streams_and_checks_the_file(tmp_path: Path) -> None:
     data = os.urandom(dedup_module.HASH_BUFFER * 2 + 7)
     source = local_file(tmp_path, "w.bin", data)
-    assert await hash_local(source, roots(tmp_path)) == sha(data)
+    digest, chunk_digests = await hash_local(source, roots(tmp_path), 1000)
+    assert digest == sha(data)
+    assert chunk_digests == tuple(sha(data[i : i + 1000]) for i in range(0, len(data), 1000))
     os.utime(source.path, ns=(source.mtime_ns + 10**9, source.mtime_ns + 10**9))
     with pytest.raises(SourceChanged, match="changed after registration"):
         await hash_local(source, roots(tmp_path))
