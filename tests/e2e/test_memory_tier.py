@@ -202,7 +202,11 @@ def test_full_arena_waits_or_goes_to_disk_and_loses_nothing(
 ) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)  # ~260 KB of weights; the arena holds one save
-    agent, ssd = start_agent(memory={"bytes": 400_000, "when_full": when_full, "wait_seconds": 60})
+    agent, ssd = start_agent(
+        memory={"bytes": 400_000, "when_full": when_full, "wait_seconds": 60},
+        # Every step's T0 copy is read below: none evicted once durable.
+        local={"keep_last": 10},
+    )
     run = f"full-{when_full}"
     with CheckpointClient(agent.url) as client:
         checkpointer = TorchCheckpointer(client, run, ssd, model=model, node=NODE)
