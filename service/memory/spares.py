@@ -69,12 +69,17 @@ class SparePool:
 
     def take(self, spare: Path, destination: Path, size: int) -> bool:
         """Move ``spare`` to ``destination``, cut (or grown) to ``size``;
-        False (nothing done) while an upload still reads it."""
+        False while an upload still reads it: the spare then leaves the pool
+        (unlinked: the reader keeps its bytes until it closes them), since
+        the reservation that planned on it writes a new file instead, and the
+        budget must not count both."""
         fd = os.open(spare, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                spare.unlink(missing_ok=True)
+                del self.files[spare]
                 return False
             os.rename(spare, destination)
             # Truncating moves the mtime too: a reader that opened it just
