@@ -42,7 +42,6 @@ SCENARIOS: list[ModuleType] = [
     trainer_stall,
     catalog_latest,
     dedup,
-    large_files,
     memory,
     dcp_plugin,
 ]
