@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from devsupport.processes import ServeProcess, free_port, write_config
-from devsupport.seaweed import SeaweedServer
+from devsupport.processes import ServeProcess
+from tests.e2e.test_torch_resume import NODE, AgentFactory, start_agent
 from tierckpt.client import CheckpointClient
 
-NODE = "framework-node"
+__all__ = ["NODE", "start_agent"]
 
 
 @dataclass
@@ -35,36 +35,15 @@ class RunningAgent:
 
 
 @pytest.fixture
-def framework_agent(
-    tmp_path: Path, seaweed: SeaweedServer, s3_bucket: str
-) -> Iterator[RunningAgent]:
-    """`tierckpt serve` on node NODE with one S3 region "east"; killed after the test."""
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    port = free_port()
-    sections: dict[str, dict[str, Any]] = {
-        "server": {"host": "127.0.0.1", "port": port, "node": NODE},
-        "catalog": {"url": f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"},
-        "local": {"roots": [str(ssd)]},
-        "worker": {"poll_interval": 0.05, "lease_seconds": 10, "backoff_base": 0.2},
-    }
-    region = {
-        "name": "east",
-        "kind": "s3",
-        "endpoint_url": seaweed.endpoint_url,
-        "bucket": s3_bucket,
-        "prefix": "frameworks",
-        "access_key_id": "tierckpt",
-        "secret_access_key": "tierckpt-secret",
-    }
-    config = write_config(tmp_path / "tierckpt.toml", sections, [region])
-    process = ServeProcess(config, port, tmp_path / "serve.log").start()
+def framework_agent(start_agent: AgentFactory) -> Iterator[RunningAgent]:
+    """`tierckpt serve` on node NODE with one S3 region "east" (the torch
+    tests' agent, test_torch_resume.start_agent); killed after the test."""
+    process, ssd = start_agent()
     client = CheckpointClient(process.url)
     try:
         yield RunningAgent(process, ssd, client)
     finally:
         client.close()
-        process.kill()
 
 
 def checkpoints(url: str, run: str) -> list[dict[str, Any]]:

@@ -22,7 +22,13 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.framework_support import NODE, RunningAgent, framework_agent, settle
+from tests.e2e.framework_support import (
+    NODE,
+    RunningAgent,
+    framework_agent,
+    settle,
+    start_agent,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -36,7 +42,7 @@ from tierckpt.client import CheckpointClient  # noqa: E402
 from tierckpt.client.hf import TierckptCallback, latest_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.e2e
-__all__ = ["framework_agent"]
+__all__ = ["framework_agent", "start_agent"]
 
 STEPS = 6
 

@@ -27,7 +27,13 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.framework_support import NODE, RunningAgent, framework_agent, settle
+from tests.e2e.framework_support import (
+    NODE,
+    RunningAgent,
+    framework_agent,
+    settle,
+    start_agent,
+)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning")
@@ -44,7 +50,7 @@ pytestmark = [
     # Lightning's note to any job resumed in its own checkpoint directory.
     pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
 ]
-__all__ = ["framework_agent"]
+__all__ = ["framework_agent", "start_agent"]
 
 REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 4
