@@ -25,6 +25,9 @@ class Action(enum.IntEnum):
 
 
 ROLE_ALLOWS = {"reader": Action.READ, "trainer": Action.WRITE, "admin": Action.ADMIN}
+# A peer token allows no action of the API: only pushing peer copies
+# (authorize_peer_push), which no other role may do.
+PEER_ROLE = "peer"
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class Principal:
     runs: str
 
     def allows(self, action: Action, run: str | None) -> bool:
-        if ROLE_ALLOWS[self.role] < action:
+        if ROLE_ALLOWS.get(self.role, 0) < action:
             return False
         return run is None or fnmatchcase(run, self.runs)
 
@@ -64,3 +67,14 @@ def authorize(principal: Principal, action: Action, run: str | None = None) -> N
         raise Forbidden(
             f"token {principal.name!r} ({principal.role}) may not {action.name.lower()}{target}"
         )
+
+
+def authorize_peer_push(principal: Principal) -> None:
+    """Only agents push peer copies: a `peer` token, or, with no tokens
+    configured, a loopback caller (the agent is then bound to loopback)."""
+    if principal.role == PEER_ROLE or principal is LOOPBACK_ADMIN:
+        return
+    raise Forbidden(
+        f"token {principal.name!r} ({principal.role}) may not push peer copies: "
+        "only a token of role 'peer' may (set it as [peers] token on the pushing agent)"
+    )

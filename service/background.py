@@ -16,6 +16,8 @@ from .integrity.jobs import VerifyJobs
 from .integrity.scrub import Scrubber
 from .jobs.kinds import KINDS
 from .jobs.worker import JobHandler, Worker
+from .peers.push import PeerPushJobs
+from .peers.upkeep import PeerUpkeep
 from .periodic import Periodic
 from .replication.jobs import ReplicationJobs
 from .resources import Resources
@@ -33,6 +35,7 @@ def job_handlers(resources: Resources) -> dict[str, JobHandler]:
         **VerifyJobs(resources).handlers(),
         **DeleteJobs(resources).handlers(),
         **RetainJobs(resources).handlers(),
+        **PeerPushJobs(resources).handlers(),
     }
     if handlers.keys() != KINDS.keys():
         raise RuntimeError(
@@ -63,6 +66,17 @@ def background(resources: Resources) -> tuple[Worker, list[Periodic]]:
                 log=logging.getLogger("tierckpt.scrub"),
             )
         )
+    # Heartbeat (always: peers and restores see this agent live), takeover of
+    # a dead agent's uploads, peer retention and the re-read of peer copies.
+    upkeep = PeerUpkeep(resources)
+    passes.append(
+        Periodic(
+            "peers",
+            upkeep.run_once,
+            settings.peers.interval_seconds,
+            log=logging.getLogger("tierckpt.peers"),
+        )
+    )
     interval = settings.retention.interval_seconds
     passes.append(
         Periodic(

@@ -68,6 +68,37 @@ class ServerSettings(BaseModel):
     log_format: Literal["auto", "json", "console"] = "auto"
     """Log lines of `serve`: `json` (one object a line), `console` (for
     people), or `auto`: console on a terminal, JSON otherwise."""
+    failure_domain: str | None = Field(None, min_length=1, max_length=255)
+    """What fails together with this node (a rack, a power feed, a zone);
+    peer copies go only to agents of other failure domains. Unset: the node
+    name (every node its own domain)."""
+    advertise_url: str | None = Field(None, min_length=8, max_length=2048)
+    """Base URL other agents and restoring clients reach this agent at
+    (`http://host:port`); recorded in the agents catalog. Unset: built from
+    `host` and `port` (a wildcard host is replaced by this machine's name)."""
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _base_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.fullmatch(r"https?://[^/\s]+/?", url):
+            raise ValueError(f"server.advertise_url must be http(s)://host[:port], got {url!r}")
+        return url
+
+    @property
+    def domain(self) -> str:
+        return self.failure_domain or self.node
+
+    @property
+    def url(self) -> str:
+        """The advertised base URL, without a trailing slash."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
 
 
 class CatalogSettings(BaseModel):
@@ -205,9 +236,11 @@ class TokenSettings(BaseModel):
     """Who holds the token (named in the refusals it gets)."""
     sha256: str
     """Hex SHA-256 of the token; the token itself is never configured."""
-    role: Literal["trainer", "reader", "admin"] = "reader"
+    role: Literal["trainer", "reader", "admin", "peer"] = "reader"
     """What the token may do: `reader` reads, `trainer` also registers,
-    `admin` also deletes, pins, quarantines and sets retention."""
+    `admin` also deletes, pins, quarantines and sets retention; `peer` may
+    only push peer copies to this agent (the token agents present to each
+    other, `[peers] token`), nothing else, and no other role may push."""
     runs: str = "*"
     """Shell-style pattern of the run names the token may touch."""
 
@@ -407,6 +440,31 @@ class MemorySettings(BaseModel):
     mid-copy) is reclaimed."""
 
 
+class PeersSettings(BaseModel):
+    """The peer tier: each shard's fast copy on other agents' T0, pushed agent
+    to agent, so a restart reads from a peer at LAN speed and a checkpoint
+    outlives its node before it is durable."""
+
+    copies: int = Field(0, ge=0, le=16)
+    """Peer copies of every shard once it is on T0: pushed to this many live
+    agents of other failure domains. Costs the checkpoint's size in network
+    and peer disk per copy. 0 turns the peer tier off."""
+    keep_last: int = Field(2, ge=1)
+    """Newest checkpoints per run whose peer copies a peer keeps; older ones
+    are evicted, never the only copy of a checkpoint not yet durable."""
+    lease_seconds: float = Field(30.0, ge=1)
+    """An agent whose heartbeat is older than this is dead: it gets no pushes
+    and a peer holding a copy of its not yet durable shards uploads them."""
+    interval_seconds: float = Field(2.0, gt=0)
+    """Seconds between the agent's peer passes: heartbeat, takeover of a dead
+    agent's uploads, peer retention, re-pushes of missing copies."""
+    token: str | None = Field(None, min_length=16, max_length=4096)
+    """The secret this agent presents when it pushes to a peer: a token of
+    role `peer` in the peers' `[[tokens]]`. Needed when tokens are configured."""
+    chunk_bytes: int = Field(1024 * 1024, ge=4096, le=64 * 1024 * 1024)
+    """Buffer of a push and of its receipt: memory per file in flight."""
+
+
 class Settings(BaseModel):
     server: ServerSettings = Field(default_factory=ServerSettings)
     catalog: CatalogSettings = Field(default_factory=CatalogSettings)
@@ -423,6 +481,7 @@ class Settings(BaseModel):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     scrub: ScrubSettings = Field(default_factory=ScrubSettings)
     memory: MemorySettings = Field(default_factory=MemorySettings)
+    peers: PeersSettings = Field(default_factory=PeersSettings)
 
     @model_validator(mode="after")
     def _safe_combinations(self) -> Settings:
@@ -440,6 +499,11 @@ class Settings(BaseModel):
             raise ValueError(
                 f"server.host={self.server.host!r} is not loopback and no [[tokens]] are "
                 "configured; add tokens before binding a public address"
+            )
+        if self.peers.copies and self.tokens and not self.peers.token:
+            raise ValueError(
+                "peers.copies is set and [[tokens]] are configured: set peers.token to a "
+                "token of role 'peer' (peers refuse pushes without it)"
             )
         return self
 

@@ -38,6 +38,9 @@ from .config import (
 
 # One text per validator, keyed by (model, validator function).
 REFUSALS: dict[tuple[str, str], list[str]] = {
+    ("ServerSettings", "_base_url"): [
+        "`server.advertise_url` must be a base URL `http(s)://host[:port]`, no path.",
+    ],
     ("CatalogSettings", "_supported_driver"): [
         "`catalog.url` must start with `sqlite+aiosqlite://` or `postgresql+asyncpg://`.",
     ],
@@ -59,6 +62,8 @@ REFUSALS: dict[tuple[str, str], list[str]] = {
         "`durability.min_regions` at most the number of regions.",
         "`server.host` other than loopback (a `127.0.0.0/8` address, `::1` or `localhost`) "
         "only with `[[tokens]]` configured: the agent never serves a network without them.",
+        "`peers.copies` above 0 with `[[tokens]]` configured only with `peers.token` set "
+        "(the `peer` token this agent presents to its peers).",
     ],
 }
 

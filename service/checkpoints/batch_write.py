@@ -423,6 +423,16 @@ def _insert(
                 now=now,
             )
         )
+        if settings.peers.copies:
+            jobs.append(
+                kinds.peer_push_row(
+                    plan.id,
+                    shard_id=shard_id,
+                    node=node,
+                    priority=PRIORITY[reg.request.priority],
+                    now=now,
+                )
+            )
     conn.execute(FILES.insert(), files)
 
     grown = [p for p in ordered if not p.new and p.added]

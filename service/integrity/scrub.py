@@ -1,5 +1,6 @@
 """The scrub pass: re-verify replicas, least recently verified first, within a
-byte budget per hour so it never competes with uploads. The agent runs it
+byte budget per hour so it never competes with uploads; and re-read the
+peer copies this node holds (peers/scrub.py). The agent runs it
 every ``[scrub].interval_seconds`` (agent.py, periodic.py)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ..config import ScrubSettings
 from ..db import reading, transaction
 from ..jobs import kinds
 from ..models import Checkpoint, CheckpointState, Replica, ReplicaState, utcnow
+from ..peers.scrub import verify_peer_copies
 from ..resources import Resources
 
 log = logging.getLogger("tierckpt.scrub")
@@ -28,6 +30,9 @@ class Scrubber:
         if queued:
             log.info("scrub: queued verification of %d replica(s)", queued)
             self.r.wake()
+        # The peer copies this node holds are re-read here, not by jobs: only
+        # this node can read them.
+        await verify_peer_copies(self.r, self.settings)
 
     async def tick(self) -> int:
         """Queue verify jobs for the stalest replicas within this interval's budget."""

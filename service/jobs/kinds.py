@@ -38,6 +38,11 @@ REPLICATE_MAX_ATTEMPTS = 1_000_000
 FAN_OUT_GRACE_SECONDS = 30.0
 
 
+# With backoff capped at [worker] backoff_max, a push waits a good hour for
+# a peer to come up before it gives up.
+PEER_PUSH_MAX_ATTEMPTS = 30
+
+
 # -- payloads -----------------------------------------------------------------
 
 
@@ -139,6 +144,9 @@ KINDS: dict[str, Kind] = {
         # Bound to a node (it evicts that node's T0 copies); only ever early:
         # the periodic sweep does the same work later if this one gives up.
         Kind(JobKind.RETAIN, NoPayload, RetryPolicy(10)),
+        # Bound to the shard's node (it reads that node's T0); retried while no
+        # peer is reachable, then given up: the regions remain the safe copy.
+        Kind(JobKind.PEER_PUSH, NoPayload, RetryPolicy(PEER_PUSH_MAX_ATTEMPTS)),
     )
 }
 
@@ -305,6 +313,36 @@ async def enqueue_retention(session: AsyncSession, checkpoint: Checkpoint) -> No
             node=node,
             max_attempts=KINDS[JobKind.RETAIN].retry.attempts(),
         )
+
+
+def peer_push_row(
+    checkpoint_id: int,
+    *,
+    shard_id: int,
+    node: str,
+    priority: int = 0,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """A peer push job's row (the registration writer inserts it with the
+    shard's upload when ``[peers] copies`` is set)."""
+    return queue.job_values(
+        JobKind.PEER_PUSH,
+        checkpoint_id,
+        shard_id=shard_id,
+        node=node,
+        priority=priority,
+        max_attempts=KINDS[JobKind.PEER_PUSH].retry.attempts(),
+        now=now,
+    )
+
+
+async def enqueue_peer_push(
+    session: AsyncSession, checkpoint_id: int, *, shard_id: int, node: str, priority: int = 0
+) -> bool:
+    """Push the shard to peers again (a copy went corrupt or was lost)."""
+    return await queue.enqueue_row(
+        session, peer_push_row(checkpoint_id, shard_id=shard_id, node=node, priority=priority)
+    )
 
 
 # -- moves between kinds that enqueue -------------------------------------------

@@ -1,9 +1,11 @@
 """Catalog tables, one per module; importing this package registers them all."""
 
+from .agent import AgentRow
 from .base import Base, utcnow
 from .checkpoint import VALID_STATES, Checkpoint, CheckpointState
 from .file import File
 from .job import PRIORITY, Job, JobKind, JobState, priority_of
+from .peer_copy import PeerCopy, PeerCopyState
 from .replica import Replica, ReplicaState
 from .run import Run
 from .shard import Shard, ShardState
@@ -11,6 +13,7 @@ from .shard import Shard, ShardState
 __all__ = [
     "PRIORITY",
     "VALID_STATES",
+    "AgentRow",
     "Base",
     "Checkpoint",
     "CheckpointState",
@@ -18,6 +21,8 @@ __all__ = [
     "Job",
     "JobKind",
     "JobState",
+    "PeerCopy",
+    "PeerCopyState",
     "Replica",
     "ReplicaState",
     "Run",

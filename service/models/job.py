@@ -22,6 +22,8 @@ class JobKind(enum.StrEnum):
     VERIFY = "verify"  # re-read a region's objects and re-hash them
     DELETE = "delete"  # remove a checkpoint from every region (manifest first)
     RETAIN = "retain"  # apply a run's retention once a checkpoint of it is durable; per node
+    # Copy one shard's T0 files to peer agents ([peers] copies); bound to the shard's node.
+    PEER_PUSH = "peer_push"
 
 
 class JobState(enum.StrEnum):

@@ -27,7 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from ..checkpoints import replicas as replicas_repo
 from ..checkpoints import repository as repo
 from ..db import reading
-from ..models import Checkpoint, Job, JobState, ReplicaState, Run, utcnow
+from ..models import Checkpoint, Job, JobState, PeerCopy, ReplicaState, Run, utcnow
+from ..peers import agents
 from ..resources import Resources
 
 log = logging.getLogger("tierckpt.metrics")
@@ -113,6 +114,24 @@ async def _replica_families(
     return [replicas, pending_bytes, lag]
 
 
+async def _peer_families(session: AsyncSession, lease_seconds: float) -> list[Metric]:
+    copies = GaugeMetricFamily(
+        "tierckpt_peer_copies",
+        "Peer copies of shards by the node holding them and state.",
+        labels=["node", "state"],
+    )
+    for node, state, count in await session.execute(
+        select(PeerCopy.node, PeerCopy.state, func.count()).group_by(PeerCopy.node, PeerCopy.state)
+    ):
+        copies.add_metric([node, state], count)
+    live = GaugeMetricFamily(
+        "tierckpt_agents_live",
+        "Agents in the catalog whose heartbeat is within [peers] lease_seconds.",
+    )
+    live.add_metric([], len(await agents.live_agents(session, lease_seconds)))
+    return [copies, live]
+
+
 async def _checkpoint_families(session: AsyncSession, min_regions: int) -> list[Metric]:
     states = GaugeMetricFamily(
         "tierckpt_checkpoints", "Checkpoints in the catalog by state.", labels=["state"]
@@ -176,6 +195,7 @@ async def catalog_families(resources: Resources, busy_jobs: int) -> list[Metric]
             families += await _job_families(session, now)
             families += await _replica_families(session, now, [r.name for r in settings.regions])
             families += await _checkpoint_families(session, settings.durability.min_regions)
+            families += await _peer_families(session, settings.peers.lease_seconds)
         up.add_metric([], 1)
     except Exception as exc:
         log.warning("metrics: the catalog could not be read: %s", exc)

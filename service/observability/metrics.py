@@ -104,6 +104,20 @@ JOB_SECONDS = Histogram(
     buckets=_TRANSFER_BUCKETS,
     registry=REGISTRY,
 )
+PEER_BYTES = Counter(
+    "tierckpt_peer_bytes",
+    "Bytes of peer copies: direction=pushed (sent by this agent to peers), "
+    "received (accepted from peers, hash verified), served (read by restoring clients).",
+    ["direction"],
+    registry=REGISTRY,
+)
+PEER_CHECKS = Counter(
+    "tierckpt_peer_checks",
+    "Peer copy checks: where=push (a push refused on arrival: wrong hash or size), "
+    "scrub (a re-read of a committed copy); result=verified or corrupt.",
+    ["where", "result"],
+    registry=REGISTRY,
+)
 HTTP_REQUESTS = Counter(
     "tierckpt_http_requests",
     "HTTP requests answered, by route template and status code.",
@@ -141,6 +155,8 @@ _WORKER_FAMILIES = (
     SCRUB_RESULTS,
     JOB_RUNS,
     JOB_SECONDS,
+    PEER_BYTES,
+    PEER_CHECKS,
 )
 
 # One reported sample: family, sample name, labels, value.
@@ -236,6 +252,18 @@ def observe_replication(region: str | None, nbytes: int) -> None:
 
 def observe_verify(region: str | None, *, corrupt: bool) -> None:
     SCRUB_RESULTS.labels(region or "", "corrupt" if corrupt else "verified").inc()
+
+
+def observe_peer_bytes(direction: str, nbytes: int) -> None:
+    PEER_BYTES.labels(direction).inc(nbytes)
+
+
+def observe_peer_corrupt(where: str) -> None:
+    PEER_CHECKS.labels(where, "corrupt").inc()
+
+
+def observe_peer_verified(where: str) -> None:
+    PEER_CHECKS.labels(where, "verified").inc()
 
 
 def observe_restore_plan(region: str, nbytes: int) -> None:

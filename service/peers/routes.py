@@ -1,0 +1,73 @@
+"""HTTP routes of the peer tier: the agents list, receiving pushed copies,
+serving them to restoring clients."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import FileResponse
+
+from ..auth import Action, authorize, authorize_peer_push
+from ..db import reading
+from ..deps import PrincipalDep, ResourcesDep
+from ..errors import NotFound
+from ..observability import metrics
+from . import agents, layout
+from .receive import commit_copy, load_shard, receive_file
+from .schemas import AgentList, AgentOut, CommittedCopy, ReceivedFile
+from .serve import committed_copy_path
+
+router = APIRouter(prefix="/v1", tags=["peers"])
+
+
+@router.get("/agents", response_model=AgentList)
+async def list_agents(resources: ResourcesDep, principal: PrincipalDep) -> AgentList:
+    """Every agent sharing the catalog, live or not (``[peers] lease_seconds``)."""
+    authorize(principal, Action.READ)
+    async with reading(resources.read_sessionmaker or resources.sessionmaker)() as session:
+        found = await agents.all_agents(session, resources.settings.peers.lease_seconds)
+    return AgentList(agents=[AgentOut(**vars(a)) for a in found])
+
+
+@router.put("/peers/shards/{shard_id}/files/{path:path}", response_model=ReceivedFile)
+async def receive_peer_file(
+    shard_id: int, path: str, request: Request, resources: ResourcesDep, principal: PrincipalDep
+) -> ReceivedFile:
+    """One file of a shard pushed by its node's agent (a `peer` token)."""
+    authorize_peer_push(principal)
+    size = await receive_file(resources, shard_id, path, request.stream())
+    return ReceivedFile(path=path, size=size)
+
+
+@router.post("/peers/shards/{shard_id}/commit", response_model=CommittedCopy)
+async def commit_peer_copy(
+    shard_id: int, resources: ResourcesDep, principal: PrincipalDep
+) -> CommittedCopy:
+    """Every file of the shard arrived: the copy is renamed into place and recorded."""
+    authorize_peer_push(principal)
+    final = await commit_copy(resources, shard_id)
+    return CommittedCopy(shard_id=shard_id, node=resources.settings.server.node, path=str(final))
+
+
+@router.get("/peers/shards/{shard_id}/files/{path:path}")
+async def serve_peer_file(
+    shard_id: int,
+    path: str,
+    resources: ResourcesDep,
+    principal: PrincipalDep,
+    range_header: Annotated[str | None, Header(alias="range")] = None,
+) -> FileResponse:
+    """A file of this node's committed copy of the shard, to a reader of its run."""
+    info = await load_shard(resources, shard_id)
+    authorize(principal, Action.READ, info.run)
+    if path not in info.files:
+        raise NotFound(f"shard {shard_id} has no file {path[:200]!r}", code="file_not_found")
+    base = await committed_copy_path(resources, shard_id)
+    target = layout.confined(base, path)
+    size = await asyncio.to_thread(lambda: target.stat().st_size if target.is_file() else None)
+    if size is None:
+        raise NotFound(f"{path} is missing from this node's copy", code="object_not_found")
+    metrics.observe_peer_bytes("served", metrics.served_length(range_header, size))
+    return FileResponse(target, media_type="application/octet-stream")
