@@ -348,7 +348,10 @@ class TierckptReader(StorageReader):
                         "not a DCP checkpoint's layout",
                         code="bad_dcp",
                     )
-                headers = auth_headers(token) if httpx.URL(f.url).is_relative_url else {}
+                # The agent's own URLs and peer agents' carry the token;
+                # presigned ones must not.
+                own = source.tier == "peer" or httpx.URL(f.url).is_relative_url
+                headers = auth_headers(token) if own else {}
                 copies.remotes.append(Remote(source.region, f.url, headers))
         if METADATA not in files:
             raise RestoreError(

@@ -224,13 +224,16 @@ class PlanFile(_Model):
 
 
 class RestoreSource(_Model):
+    # A region, or "peer:<node>[+<node>...]": copies on other agents.
     region: str
     files: list[PlanFile] = Field(default_factory=list)
+    # "peer": the URLs are other agents' and are read with the client's token.
+    tier: str = "region"
 
 
 class RestorePlan(_Model):
-    """Answer of ``GET …/checkpoints/{step}/download``: one source per region
-    holding a committed copy, preferred first."""
+    """Answer of ``GET …/checkpoints/{step}/download``: the sources holding
+    a committed copy, nearest first (peer agents, then regions)."""
 
     run: str
     step: int

@@ -238,6 +238,7 @@ def _jobs(
     layout: list[tuple[PlanFile, PurePosixPath]],
     staged: Staged,
     token: str | None,
+    peer: bool = False,
 ) -> list[FileJob]:
     jobs = []
     for f, rel in layout:
@@ -245,8 +246,9 @@ def _jobs(
             continue
         staged[rel] = None
         # Relative URLs are the service's own object endpoint and need the
-        # token; absolute ones are presigned and must not carry it.
-        relative = httpx.URL(f.url).is_relative_url
+        # token, as do peer agents' URLs; other absolute ones are presigned
+        # and must not carry it.
+        relative = peer or httpx.URL(f.url).is_relative_url
         jobs.append(
             FileJob(
                 url=f.url,
@@ -320,7 +322,7 @@ async def restore_from_plan(
             await in_thread(_prune, staging, staged, wanted)
             reused = sum(f.size for f, rel in layout if rel in staged)
             meter = _Meter(progress, reused, sum(f.size for f, _ in layout))
-            jobs = _jobs(staging, layout, staged, token)
+            jobs = _jobs(staging, layout, staged, token, source.tier == "peer")
             try:
                 async with _direct_reader(http, direct) as reader:
                     await fetch_files(

@@ -144,6 +144,8 @@ def checkpoint_document(run: str, c: CheckpointValues, listing: Listing) -> dict
             for job, rank in listing.jobs
         ],
         "copies": None,
+        "peers": None,
+        "peer_safe": None,
     }
 
 

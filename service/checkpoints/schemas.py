@@ -135,8 +135,24 @@ class RefOut(BaseModel):
     step: int
 
 
+class PeerOut(BaseModel):
+    """The checkpoint's copy on one peer node (peers/state.py gives the rule)."""
+
+    name: str  # "peer:<node>"
+    node: str
+    state: str
+    shards: int  # shards of the checkpoint sent to that node
+    committed: int  # of those, committed (hash verified on arrival)
+    committed_at: datetime | None
+    verified_at: datetime | None
+
+    @field_serializer("verified_at", "committed_at")
+    def _ts(self, value: datetime | None) -> str | None:
+        return iso_timestamp(value)
+
+
 class CopyOut(BaseModel):
-    tier: Literal["memory", "t0", "region"]
+    tier: Literal["memory", "t0", "peer", "region"]
     node: str | None = None
     rank: int | None = None
     path: str | None = None
@@ -172,8 +188,12 @@ class CheckpointOut(BaseModel):
     # Background work on this checkpoint (detail view only): what is queued,
     # running or failed, with attempts and the last error.
     jobs: list[JobOut] | None = None
-    # Detail view only: where the bytes are (memory, T0, regions).
+    # Detail view only: where the bytes are (memory, T0, peers, regions).
     copies: list[CopyOut] | None = None
+    # Detail view only: the copies on peer nodes ([peers] copies), and
+    # whether every shard has its [peers] copies committed on other nodes.
+    peers: list[PeerOut] | None = None
+    peer_safe: bool | None = None
 
     @field_serializer("created_at", "durable_at", "quarantined_at", "deleted_at")
     def _ts(self, value: datetime | None) -> str | None:
@@ -219,8 +239,11 @@ class PlanFile(BaseModel):
 
 
 class PlanSource(BaseModel):
+    # A region's name, or "peer:<node>[+<node>...]" for peer copies.
     region: str
     files: list[PlanFile]
+    # "peer": the URLs are other agents' (absolute), read with the caller's token.
+    tier: Literal["region", "peer"] = "region"
 
 
 class RestorePlan(BaseModel):

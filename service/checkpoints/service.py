@@ -20,6 +20,7 @@ from ..models import (
     utcnow,
 )
 from ..observability import metrics
+from ..peers.plan import peer_sources
 from ..resources import Resources
 from ..storage import layout
 from ..storage.chunks import decode as decode_chunks
@@ -28,6 +29,7 @@ from . import repository as repo
 from .batch_write import Outcome, Registration
 from .batching import RegistrationBatcher
 from .presenter import Listing, checkpoint_out
+from .repository import FileRow
 from .scan import ScannedShard, ScanTooLarge, scan
 from .schemas import (
     CheckpointOut,
@@ -325,13 +327,12 @@ class CheckpointService:
     async def restore_plan(
         self, run: str, step: int, region: str | None, rank: int | None, chunks: bool = False
     ) -> RestorePlan:
+        """Sources nearest first: copies on live peer agents ([peers]), then
+        the regions holding a committed copy (``region`` first, else the
+        primary). A checkpoint not yet durable is restorable from its peer
+        copies when every rank asked for has one."""
         checkpoint = await self._checkpoint(run, step)
-        if checkpoint.state not in (CheckpointState.DURABLE, CheckpointState.REPLICATED):
-            raise Conflict(
-                f"{run} step {step} is {checkpoint.state}, not durable; wait for it or restore "
-                "the latest valid checkpoint",
-                code="not_durable",
-            )
+        durable = checkpoint.state in (CheckpointState.DURABLE, CheckpointState.REPLICATED)
         if rank is not None and not 0 <= rank < checkpoint.world_size:
             raise BadInput(
                 f"rank {rank} is outside world_size {checkpoint.world_size}", code="bad_rank"
@@ -347,14 +348,42 @@ class CheckpointService:
                 await repo.chunk_hashes(self.session, checkpoint.id) if chunks else {}
             ).items()
         }
+
+        def plan_file(f: FileRow, url: str) -> PlanFile:
+            chunk_size, chunk_list = hashes.get((f.rank, f.file_path), (None, None))
+            return PlanFile(
+                rank=f.rank,
+                path=f.file_path,
+                size=f.file_size,
+                sha256=f.file_sha256 or "",
+                url=url,
+                chunk_size=chunk_size,
+                chunk_sha256=chunk_list,
+            )
+
+        sources: list[PlanSource] = []
+        if checkpoint.state not in (CheckpointState.FAILED, CheckpointState.DELETED):
+            # Only whole ranks: a rank of the checkpoint not registered yet has no files.
+            complete = len({f.rank for f in files}) == (
+                1 if rank is not None else checkpoint.world_size
+            )
+            if complete and all(f.file_sha256 for f in files):
+                sources += await peer_sources(
+                    self.session, self.settings, checkpoint.id, [plan_file(f, "") for f in files]
+                )
+        if not durable and not sources:
+            raise Conflict(
+                f"{run} step {step} is {checkpoint.state}, not durable, and no live peer "
+                "holds a copy of every rank; wait for it or restore the latest valid checkpoint",
+                code="not_durable",
+            )
         committed = [
             r.region
             for r in await repo.replicas_of(self.session, [checkpoint.id])
-            if r.state == ReplicaState.COMMITTED and r.region in self.r.stores
+            if durable and r.state == ReplicaState.COMMITTED and r.region in self.r.stores
         ]
         preferred = region or self.settings.primary_region.name
         committed.sort(key=lambda name: (name != preferred, list(self.r.stores).index(name)))
-        sources = []
         for name in committed:
             store = self.r.stores[name]
             plan_files = []
@@ -363,18 +392,7 @@ class CheckpointService:
                 url = await store.presign_get(key)
                 if url is None:
                     url = f"/v1/regions/{name}/objects/{quote(key)}"
-                chunk_size, chunk_list = hashes.get((f.rank, f.file_path), (None, None))
-                plan_files.append(
-                    PlanFile(
-                        rank=f.rank,
-                        path=f.file_path,
-                        size=f.file_size,
-                        sha256=f.file_sha256 or "",
-                        url=url,
-                        chunk_size=chunk_size,
-                        chunk_sha256=chunk_list,
-                    )
-                )
+                plan_files.append(plan_file(f, url))
             sources.append(PlanSource(region=name, files=plan_files))
         if sources:
             metrics.observe_restore_plan(sources[0].region, sum(f.size for f in sources[0].files))

@@ -18,10 +18,11 @@ from typing import Any
 from sqlalchemy import select
 
 from ..checkpoints.latest_answer import latest_json
-from ..checkpoints.schemas import CheckpointOut, CopyOut
+from ..checkpoints.schemas import CheckpointOut, CopyOut, PeerOut
 from ..checkpoints.service import CheckpointService
 from ..errors import BadInput, NotFound
 from ..models import Checkpoint, CheckpointState, ReplicaState, Run, Shard
+from ..peers.view import peer_view
 from ..resources import Resources
 from .service import MemoryTier
 
@@ -38,7 +39,9 @@ async def detail(
     service: CheckpointService, memory: MemoryTier | None, run: str, step: int
 ) -> CheckpointOut:
     """The detail view, with ``copies``: memory (this agent's arena), T0 (the
-    shards' files not evicted) and the regions holding a committed copy. A
+    shards' files not evicted), peers (committed shard copies on other
+    nodes, and ``peers``: each peer node's state) and the regions holding a
+    committed copy. A
     checkpoint only staged in memory is answered from the arena."""
     try:
         out = await service.get(run, step)
@@ -51,6 +54,8 @@ async def detail(
     if memory is not None:
         copies += memory.memory_copies(memory.held(run, step))
     copies += await _t0_copies(service, run, step)
+    peers = await peer_view(service.session, run, step, service.settings.peers.copies)
+    copies += peers.copies
     copies += [
         {
             "tier": "region",
@@ -63,7 +68,13 @@ async def detail(
         for r in out.replicas
         if r.state == ReplicaState.COMMITTED
     ]
-    return out.model_copy(update={"copies": [CopyOut.model_validate(c) for c in copies]})
+    return out.model_copy(
+        update={
+            "copies": [CopyOut.model_validate(c) for c in copies],
+            "peers": [PeerOut.model_validate(p) for p in peers.peers],
+            "peer_safe": peers.peer_safe,
+        }
+    )
 
 
 async def _t0_copies(service: CheckpointService, run: str, step: int) -> list[dict[str, Any]]:

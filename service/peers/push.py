@@ -49,6 +49,7 @@ from ..observability import metrics
 from ..resources import Resources
 from . import agents
 from .receive import upsert_copy
+from .state import spread_key
 
 log = logging.getLogger("tierckpt.peers")
 
@@ -77,11 +78,6 @@ async def _read_chunks(path: Path, chunk: int) -> AsyncIterator[bytes]:
             yield block
     finally:
         handle.close()
-
-
-def spread_key(shard_id: int, node: str) -> str:
-    """Candidates in an order of their own per shard: copies spread evenly."""
-    return hashlib.sha256(f"{shard_id}:{node}".encode()).hexdigest()
 
 
 class PeerPushJobs:

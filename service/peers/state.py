@@ -16,6 +16,7 @@ is durable (a whole-cluster loss still falls back to the regions).
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -92,3 +93,8 @@ def peer_safe(
         if copy.state == PeerCopyState.COMMITTED and origin is not None and copy.node != origin:
             held[copy.shard_id].add(copy.node)
     return all(len(held[shard_id]) >= needed for shard_id in shard_nodes)
+
+
+def spread_key(shard_id: int, node: str) -> str:
+    """Peers in an order of their own per shard: copies spread evenly."""
+    return hashlib.sha256(f"{shard_id}:{node}".encode()).hexdigest()

@@ -1,0 +1,71 @@
+"""A checkpoint's peer copies as its detail view shows them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ..models import Checkpoint, PeerCopyState, Run, Shard
+from .repository import copies_of
+from .state import by_node, peer_safe
+
+
+@dataclass
+class PeerView:
+    peers: list[dict[str, Any]] = field(default_factory=list)
+    peer_safe: bool = False
+    # CopyOut entries, one per committed shard copy.
+    copies: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def peer_view(session: AsyncSession, run: str, step: int, needed: int) -> PeerView:
+    checkpoint = (
+        await session.execute(
+            select(Checkpoint.id, Checkpoint.world_size)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Run.name == run, Checkpoint.step == step)
+        )
+    ).one_or_none()
+    if checkpoint is None:
+        return PeerView()
+    checkpoint_id, world_size = checkpoint
+    shards = {
+        shard_id: (node, rank)
+        for shard_id, node, rank in await session.execute(
+            select(Shard.id, Shard.node, Shard.rank).where(Shard.checkpoint_id == checkpoint_id)
+        )
+    }
+    copies = await copies_of(session, [checkpoint_id])
+    view = PeerView(
+        peers=[
+            {
+                "name": f"peer:{s.node}",
+                "node": s.node,
+                "state": s.state,
+                "shards": s.shards,
+                "committed": s.committed,
+                "committed_at": s.committed_at,
+                "verified_at": s.verified_at,
+            }
+            for s in by_node(copies)
+        ],
+        peer_safe=peer_safe(
+            world_size, {sid: node for sid, (node, _rank) in shards.items()}, copies, needed
+        ),
+    )
+    view.copies = [
+        {
+            "tier": "peer",
+            "node": c.node,
+            "rank": shards[c.shard_id][1] if c.shard_id in shards else None,
+            "path": c.path,
+            "region": None,
+            "uri": None,
+        }
+        for c in copies
+        if c.state == PeerCopyState.COMMITTED
+    ]
+    return view
