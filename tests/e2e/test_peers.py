@@ -1,0 +1,180 @@
+"""The peer tier with real agent processes: two or three `tierckpt serve` on
+one PostgreSQL catalog, each with its own T0 directory and port.
+
+- a checkpoint registered on node A gets a verified copy on node B;
+- a corrupted peer copy is skipped by a restore (the next copy is used),
+  the scrubber marks it, and a new copy is made;
+- node A's agent killed -9 and its T0 deleted before the upload finished,
+  the region unreachable: restorable through B, bytes identical, and B's
+  agent makes it durable once the region is back;
+- a peer token can only push, and only a peer token may push.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from devsupport import postgres as pg
+from devsupport.agent import write_checkpoint
+from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.s3proxy import S3FaultProxy
+from devsupport.seaweed import SeaweedServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
+
+PEER_TOKEN = "peer-secret-token-0123456789"
+TRAINER_TOKEN = "trainer-secret-token-0123456789"
+ADMIN_TOKEN = "admin-secret-token-0123456789"
+READER_TOKEN = "reader-secret-token-0123456789"
+
+
+@pytest.fixture
+def catalog(postgres_admin_url: str) -> Iterator[str]:
+    # A catalog of its own: the agents table must hold only this test's agents.
+    with pg.temp_database(postgres_admin_url, prefix="tierckpt_peers_") as url:
+        yield url
+
+
+def token_entries() -> list[dict[str, Any]]:
+    return [
+        {"name": name, "sha256": hashlib.sha256(token.encode()).hexdigest(), "role": role}
+        for name, token, role in (
+            ("peers", PEER_TOKEN, "peer"),
+            ("trainer", TRAINER_TOKEN, "trainer"),
+            ("admin", ADMIN_TOKEN, "admin"),
+            ("reader", READER_TOKEN, "reader"),
+        )
+    ]
+
+
+def peer_agent(
+    tmp_path: Path,
+    name: str,
+    catalog: str,
+    region: dict[str, Any],
+    *,
+    tokens: bool = False,
+    **sections: dict[str, Any],
+) -> ServeProcess:
+    ssd = tmp_path / f"ssd-{name}"
+    ssd.mkdir(exist_ok=True)
+    port = free_port()
+    config: dict[str, dict[str, Any]] = {
+        "server": {"host": "127.0.0.1", "port": port, "node": name},
+        "catalog": {"url": catalog},
+        "local": {"roots": [str(ssd)]},
+        "worker": {"poll_interval": 0.1, "backoff_base": 0.1, "backoff_max": 1.0},
+        "peers": {"copies": 1, "interval_seconds": 0.3, "lease_seconds": 3},
+        "scrub": {"enabled": False},
+    }
+    if tokens:
+        config["peers"]["token"] = PEER_TOKEN
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    path = write_config(tmp_path / f"{name}.toml", config, [region])
+    if tokens:
+        with open(path, "a") as handle:
+            for entry in token_entries():
+                handle.write("\n[[tokens]]\n")
+                handle.writelines(f'{key} = "{value}"\n' for key, value in entry.items())
+    return ServeProcess(path, port, tmp_path / f"{name}.log")
+
+
+def posix(tmp_path: Path) -> dict[str, Any]:
+    return {"name": "east", "kind": "posix", "root": str(tmp_path / "region")}
+
+
+def poll(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; last: {last}")
+
+
+def detail(agent: ServeProcess, run: str, step: int, token: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    answer = httpx.get(f"{agent.url}/v1/runs/{run}/checkpoints/{step}", headers=headers)
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+def peer_state(agent: ServeProcess, run: str, step: int, node: str, **kw: Any) -> str | None:
+    for peer in detail(agent, run, step, **kw)["peers"] or []:
+        if peer["name"] == f"peer:{node}":
+            return str(peer["state"])
+    return None
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_copy_on_a_peer_corrupted_then_skipped_scrubbed_and_made_again(
+    tmp_path: Path, catalog: str
+) -> None:
+    scrub = {"enabled": True, "interval_seconds": 0.5, "min_age_hours": 0}
+    with (
+        peer_agent(tmp_path, "node-a", catalog, posix(tmp_path)) as a,
+        peer_agent(tmp_path, "node-b", catalog, posix(tmp_path), scrub=scrub) as b,
+    ):
+        listed = poll(
+            "both agents live",
+            lambda: [
+                x["node"]
+                for x in httpx.get(f"{a.url}/v1/agents").json()["agents"]
+                if x["live"]
+            ]
+            == ["node-a", "node-b"],
+        )
+        assert listed
+        source = write_checkpoint(
+            tmp_path / "ssd-node-a" / "step-1", {"model.bin": 300_000, "meta.json": b"{}"}
+        )
+        registered = cli("register", "pr", "1", str(source), "--wait", server=a.url)
+        assert registered.returncode == 0, registered.stderr
+        poll("peer:node-b committed", lambda: peer_state(a, "pr", 1, "node-b") == "committed")
+        shown = detail(a, "pr", 1)
+        assert shown["peer_safe"] is True
+        copy = next(c for c in shown["copies"] if c["tier"] == "peer")
+        assert copy["node"] == "node-b"
+        held = Path(copy["path"])
+        assert held.is_relative_to(tmp_path / "ssd-node-b")
+        assert digests(held) == digests(source)
+
+        # The copy on B rots: the restore plan lists it first, the client
+        # finds the mismatch and restores from the region instead.
+        plan = httpx.get(f"{a.url}/v1/runs/pr/checkpoints/1/download").json()
+        assert [s["region"] for s in plan["sources"]] == ["peer:node-b", "east"]
+        rotten = held / "model.bin"
+        data = bytearray(rotten.read_bytes())
+        data[1000] ^= 0xFF
+        rotten.write_bytes(bytes(data))
+        restored = cli("restore", "pr", str(tmp_path / "restored"), "--step", "1", server=a.url)
+        assert restored.returncode == 0, restored.stderr
+        assert digests(tmp_path / "restored") == digests(source)
+
+        # B's scrubber finds it, marks it and a new copy is pushed by A.
+        def scrubbed_and_made_again() -> bool:
+            metrics = httpx.get(f"{b.url}/metrics").text
+            seen = 'tierckpt_peer_checks_total{result="corrupt",where="scrub"} 1.0' in metrics
+            return seen and peer_state(a, "pr", 1, "node-b") == "committed"
+
+        poll("a corrupt copy scrubbed and pushed again", scrubbed_and_made_again)
+        assert digests(held) == digests(source)
