@@ -136,12 +136,10 @@ def test_copy_on_a_peer_corrupted_then_skipped_scrubbed_and_made_again(
     ):
         listed = poll(
             "both agents live",
-            lambda: [
-                x["node"]
-                for x in httpx.get(f"{a.url}/v1/agents").json()["agents"]
-                if x["live"]
-            ]
-            == ["node-a", "node-b"],
+            lambda: (
+                [x["node"] for x in httpx.get(f"{a.url}/v1/agents").json()["agents"] if x["live"]]
+                == ["node-a", "node-b"]
+            ),
         )
         assert listed
         source = write_checkpoint(
@@ -178,3 +176,58 @@ def test_copy_on_a_peer_corrupted_then_skipped_scrubbed_and_made_again(
 
         poll("a corrupt copy scrubbed and pushed again", scrubbed_and_made_again)
         assert digests(held) == digests(source)
+
+
+def s3_region(endpoint_url: str, bucket: str) -> dict[str, Any]:
+    return {
+        "name": "east",
+        "kind": "s3",
+        "endpoint_url": endpoint_url,
+        "bucket": bucket,
+        "prefix": "peers",
+        "access_key_id": "tierckpt",
+        "secret_access_key": "tierckpt-secret",
+    }
+
+
+def test_node_lost_before_upload_restorable_from_peer_which_makes_it_durable(
+    tmp_path: Path, catalog: str, seaweed: SeaweedServer, s3_bucket: str, s3_client: Any
+) -> None:
+    # Short leases: a dead agent's jobs and its place are taken over quickly.
+    worker = {"poll_interval": 0.1, "backoff_base": 0.1, "backoff_max": 1.0, "lease_seconds": 2}
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        region = s3_region(proxy.endpoint_url, s3_bucket)
+        proxy.fail(503, "ServiceUnavailable")  # the region is down from the start
+        a = peer_agent(tmp_path, "node-a", catalog, region, worker=worker).start()
+        with peer_agent(tmp_path, "node-b", catalog, region, worker=worker) as b:
+            try:
+                source = write_checkpoint(tmp_path / "ssd-node-a" / "step-7", {"w.bin": 200_000})
+                expected = digests(source)
+                assert cli("register", "lost", "7", str(source), server=a.url).returncode == 0
+                poll("copy on B", lambda: peer_state(b, "lost", 7, "node-b") == "committed")
+                assert detail(b, "lost", 7)["state"] in ("registered", "uploading")
+            finally:
+                a.kill()
+            shutil.rmtree(tmp_path / "ssd-node-a")
+
+            # Not durable, node A gone: restorable from B's copy alone.
+            plan = httpx.get(f"{b.url}/v1/runs/lost/checkpoints/7/download").json()
+            assert [s["region"] for s in plan["sources"]] == ["peer:node-b"]
+            target = tmp_path / "restored"
+            restored = cli("restore", "lost", str(target), "--step", "7", server=b.url)
+            assert restored.returncode == 0, restored.stderr
+            assert digests(target) == expected
+
+            # A's lease expires: B uploads from its copy once the region is back.
+            poll(
+                "B owns the shard",
+                lambda: detail(b, "lost", 7)["shards"][0]["node"] == "node-b",
+            )
+            proxy.clear()
+            poll("durable", lambda: detail(b, "lost", 7)["state"] in ("durable", "replicated"))
+            # The bytes B uploaded are the registered ones.
+            listed = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix="peers/lost/")
+            keys = [o["Key"] for o in listed.get("Contents", []) if o["Key"].endswith("/w.bin")]
+            assert len(keys) == 1
+            body = s3_client.get_object(Bucket=s3_bucket, Key=keys[0])["Body"].read()
+            assert hashlib.sha256(body).hexdigest() == expected["w.bin"]
