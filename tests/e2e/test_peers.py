@@ -13,7 +13,6 @@ one PostgreSQL catalog, each with its own T0 directory and port.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -231,3 +230,75 @@ def test_node_lost_before_upload_restorable_from_peer_which_makes_it_durable(
             assert len(keys) == 1
             body = s3_client.get_object(Bucket=s3_bucket, Key=keys[0])["Body"].read()
             assert hashlib.sha256(body).hexdigest() == expected["w.bin"]
+
+
+def test_peer_token_only_pushes_and_only_peer_tokens_push(tmp_path: Path, catalog: str) -> None:
+    with (
+        peer_agent(tmp_path, "node-a", catalog, posix(tmp_path), tokens=True) as a,
+        peer_agent(tmp_path, "node-b", catalog, posix(tmp_path), tokens=True) as b,
+    ):
+        source = write_checkpoint(tmp_path / "ssd-node-a" / "step-3", {"w.bin": 50_000})
+        trainer = {"TIERCKPT_TOKEN": TRAINER_TOKEN}
+        registered = cli("register", "tok", "3", str(source), "--wait", server=a.url, env=trainer)
+        assert registered.returncode == 0, registered.stderr
+        # A presents its peer token: the push is accepted.
+        poll(
+            "copy on B",
+            lambda: peer_state(a, "tok", 3, "node-b", token=READER_TOKEN) == "committed",
+        )
+
+        def call(method: str, path: str, token: str, **kw: Any) -> int:
+            headers = {"Authorization": f"Bearer {token}"}
+            return httpx.request(method, f"{a.url}{path}", headers=headers, **kw).status_code
+
+        # The peer token can do nothing but push.
+        body = {"run": "tok", "step": 4, "path": str(source)}
+        assert call("POST", "/v1/checkpoints", PEER_TOKEN, json=body) == 403
+        runs = httpx.get(f"{a.url}/v1/runs", headers={"Authorization": f"Bearer {PEER_TOKEN}"})
+        assert runs.status_code == 200 and "tok" not in runs.text  # sees no run
+        assert call("GET", "/v1/runs/tok/checkpoints", PEER_TOKEN) == 403
+        assert call("GET", "/v1/runs/tok/checkpoints/3", PEER_TOKEN) == 403
+        assert call("DELETE", "/v1/runs/tok/checkpoints/3", PEER_TOKEN) == 403
+        assert call("GET", "/v1/runs/tok/checkpoints/3/download", PEER_TOKEN) == 403
+
+        # Only a peer token may push: not a trainer's, an admin's or a reader's.
+        copy = next(c for c in detail(a, "tok", 3, ADMIN_TOKEN)["copies"] if c["tier"] == "peer")
+        url = httpx.get(
+            f"{a.url}/v1/runs/tok/checkpoints/3/download",
+            headers={"Authorization": f"Bearer {READER_TOKEN}"},
+        ).json()["sources"][0]["files"][0]["url"]
+        push_path = url.split(b.url, 1)[1]
+        assert push_path.startswith("/v1/peers/shards/")
+        for token in (TRAINER_TOKEN, ADMIN_TOKEN, READER_TOKEN):
+            headers = {"Authorization": f"Bearer {token}"}
+            answer = httpx.put(f"{b.url}{push_path}", content=b"x" * 50_000, headers=headers)
+            assert answer.status_code == 403, answer.text
+        commit = push_path.split("/files/", 1)[0] + "/commit"
+        assert (
+            httpx.post(
+                f"{b.url}{commit}", headers={"Authorization": f"Bearer {TRAINER_TOKEN}"}
+            ).status_code
+            == 403
+        )
+        # A push of wrong bytes (even with the peer token) is refused, and
+        # nothing of it is left behind; the committed copy is untouched.
+        peer = {"Authorization": f"Bearer {PEER_TOKEN}"}
+        wrong = httpx.put(f"{b.url}{push_path}", content=b"y" * 50_000, headers=peer)
+        assert wrong.status_code == 422 and "SHA-256" in wrong.text
+        short = httpx.put(f"{b.url}{push_path}", content=b"y" * 10, headers=peer)
+        assert short.status_code == 422
+        leftovers = [
+            p for p in (tmp_path / "ssd-node-b" / ".peers").rglob("*") if ".partial" in str(p)
+        ]
+        assert all(p.is_dir() for p in leftovers), leftovers
+        assert digests(Path(copy["path"])) == digests(source)
+        # Readers restore from the peer with their own token.
+        restored = cli(
+            "restore",
+            "tok",
+            str(tmp_path / "restored"),
+            server=a.url,
+            env={"TIERCKPT_TOKEN": READER_TOKEN},
+        )
+        assert restored.returncode == 0, restored.stderr
+        assert digests(tmp_path / "restored") == digests(source)
