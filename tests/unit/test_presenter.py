@@ -226,4 +226,6 @@ def test_a_registration_answer_from_its_values() -> None:
         ],
         "jobs": None,
         "copies": None,
+        "peers": None,
+        "peer_safe": None,
     }
