@@ -190,13 +190,20 @@ def runs(*, limit: int | None = None, offset: int | None = None) -> Call[list[Ru
 
 
 def latest(
-    run: str, *, region: str | None = None, node: str | None = None, scope: str | None = None
+    run: str,
+    *,
+    region: str | None = None,
+    node: str | None = None,
+    scope: str | None = None,
+    peer_safe: bool = False,
 ) -> Call[Checkpoint | None]:
     return Call(
         "GET",
         f"/v1/runs/{_seg(run)}/latest",
         _checkpoint,
-        params=_query(region=region, node=node, scope=scope),
+        params=_query(
+            region=region, node=node, scope=scope, peer_safe="true" if peer_safe else None
+        ),
         none_on_404=True,
     )
 

@@ -195,14 +195,20 @@ class ClientCore:
         region: str | None = None,
         node: str | None = None,
         scope: str | None = None,
+        peer_safe: bool = False,
     ) -> Flow[Checkpoint | None]:
         """The latest valid checkpoint of ``run`` with its locations, or None.
 
         ``scope="node"`` (with ``node``): the newest checkpoint that node
         holds in memory or on T0, durable or not (``durable_step`` says what
         the durable latest is, ``memory`` where the node's memory holds it).
-        Not durable means lost with the node: see docs/API.md."""
-        return self._send(_api.latest(run, region=region, node=node, scope=scope))
+        Not durable means lost with the node: see docs/API.md.
+        ``peer_safe``: the newest peer-safe checkpoint when it is newer than
+        the newest durable one (peers hold verified copies of every shard;
+        lost only if every node holding it is lost: see docs/API.md)."""
+        return self._send(
+            _api.latest(run, region=region, node=node, scope=scope, peer_safe=peer_safe)
+        )
 
     def _memory_info(self) -> Flow[MemoryInfo]:
         """The agent's memory tier: enabled, budget, bytes used, policy when full."""

@@ -134,6 +134,18 @@ def checkpoint_detail(checkpoint: Checkpoint) -> Group:
             for replica in checkpoint.replicas
         ]
         parts.append(_bare_table(("region", "state", "verified", "uri"), replicas))
+    if checkpoint.peers:
+        peers = [
+            (
+                peer.name,
+                state(peer.state),
+                f"{peer.committed}/{peer.shards}",
+                when(peer.verified_at),
+            )
+            for peer in checkpoint.peers
+        ]
+        parts.append(_bare_table(("peer", "state", "shards", "verified"), peers))
+        facts.add_row("peer-safe", "yes" if checkpoint.peer_safe else "no")
     return Group(*parts)
 
 

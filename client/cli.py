@@ -177,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("run")
     sub.add_argument("--region", help="prefer this region's location")
     sub.add_argument("--node", help="report a local copy still on this node")
+    sub.add_argument(
+        "--peer-safe",
+        action="store_true",
+        help="the newest peer-safe checkpoint if newer than the newest durable "
+        "(verified copies on [peers] copies other nodes; see docs/API.md for the risk)",
+    )
 
     sub = command("restore", _restore, "download and verify a checkpoint into DEST")
     sub.add_argument("run")
@@ -407,7 +413,9 @@ def _wait_durable(
 
 def _latest(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        checkpoint = client.latest(args.run, region=args.region, node=args.node)
+        checkpoint = client.latest(
+            args.run, region=args.region, node=args.node, peer_safe=args.peer_safe
+        )
     if checkpoint is None:
         return _fail(f"run {args.run} has no valid checkpoint", NOT_FOUND)
     if args.json:

@@ -93,9 +93,24 @@ class LocalCopy(_Model):
         return self.path if rank == 0 else None
 
 
+class PeerCopy(_Model):
+    """The checkpoint's copy on one peer node (detail view): ``name`` is
+    ``peer:<node>``; ``state`` committed once that node holds, verified,
+    every shard it was sent."""
+
+    name: str
+    node: str
+    state: str
+    shards: int = 0
+    committed: int = 0
+    committed_at: datetime | None = None
+    verified_at: datetime | None = None
+
+
 class Copy(_Model):
     """Where a copy of the checkpoint is (detail view): ``memory`` (an agent's
-    arena), ``t0`` (a node's local SSD) or ``region``."""
+    arena), ``t0`` (a node's local SSD), ``peer`` (a shard's copy on another
+    node's T0) or ``region``."""
 
     tier: str
     node: str | None = None
@@ -158,6 +173,10 @@ class Checkpoint(_Model):
     local: LocalCopy | None = None
     # Only in the detail view: where the bytes are.
     copies: list[Copy] = Field(default_factory=list)
+    # Only in the detail view: the copies on peer nodes, and whether every
+    # shard has its [peers] copies (None: not in this answer).
+    peers: list[PeerCopy] = Field(default_factory=list)
+    peer_safe: bool | None = None
     # Only in the answer of `latest` with scope="node".
     durable_step: int | None = None
     memory: list[MemoryCopy] = Field(default_factory=list)
@@ -175,6 +194,7 @@ class Checkpoint(_Model):
         "jobs",
         "locations",
         "copies",
+        "peers",
         "memory",
         mode="before",
     )

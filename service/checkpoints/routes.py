@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response
@@ -11,6 +11,7 @@ from ..auth import Action, Principal, authenticate, authorize
 from ..deps import AgentDep, CheckpointServiceDep, PrincipalDep, RegistrationsDep
 from ..memory import lookup
 from ..models import CheckpointState
+from ..peers.latest import newest_peer_safe
 from ..resources import Resources
 from .latest_answer import latest_json
 from .presenter import to_json
@@ -104,11 +105,17 @@ async def latest_checkpoint(
     region: str | None = None,
     node: str | None = None,
     scope: Literal["durable", "node"] = "durable",
+    peer_safe: bool = False,
 ) -> Response:
     """The newest durable checkpoint; with ``scope=node`` (and ``node=``)
     the newest one that node holds in memory or on T0, even if not durable
-    (memory/lookup.py says what that risks)."""
+    (memory/lookup.py says what that risks); with ``peer_safe=true`` the
+    newest peer-safe one when it is newer (peers/latest.py: the rule, the risk)."""
     authorize(principal, Action.READ, run)
+    if peer_safe and scope == "durable":
+        document = await peer_safe_latest(service, run)
+        if document is not None:
+            return Response(to_json(document), media_type="application/json")
     if scope == "node":
         document = await lookup.node_latest(
             request.app.state.resources, service, agent.memory, run, node, region
@@ -118,6 +125,18 @@ async def latest_checkpoint(
     # by requests that path passes on, so the errors are worded in one place.
     body = await latest_json(request.app.state.resources, run, region, node)
     return Response(body, media_type="application/json")
+
+
+async def peer_safe_latest(service: CheckpointServiceDep, run: str) -> dict[str, Any] | None:
+    """The newest peer-safe checkpoint newer than the newest durable, as a
+    LatestOut document (no region location yet, no T0 copy asked for)."""
+    found = await newest_peer_safe(service.session, run, service.settings.peers.copies)
+    if found is None:
+        return None
+    out = await service.describe(run, found, with_files=False)
+    document = out.model_dump(mode="json")
+    document["peer_safe"] = True
+    return {**document, "locations": [], "local": None}
 
 
 @router.get("/runs/{run}/checkpoints/{step}/download", response_model=RestorePlan)

@@ -13,6 +13,7 @@ one PostgreSQL catalog, each with its own T0 directory and port.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -149,6 +150,8 @@ def test_copy_on_a_peer_corrupted_then_skipped_scrubbed_and_made_again(
         poll("peer:node-b committed", lambda: peer_state(a, "pr", 1, "node-b") == "committed")
         shown = detail(a, "pr", 1)
         assert shown["peer_safe"] is True
+        status = cli("status", "pr", "1", server=a.url)
+        assert status.returncode == 0 and "peer:node-b" in status.stdout, status.stdout
         copy = next(c for c in shown["copies"] if c["tier"] == "peer")
         assert copy["node"] == "node-b"
         held = Path(copy["path"])
@@ -205,6 +208,11 @@ def test_node_lost_before_upload_restorable_from_peer_which_makes_it_durable(
                 assert cli("register", "lost", "7", str(source), server=a.url).returncode == 0
                 poll("copy on B", lambda: peer_state(b, "lost", 7, "node-b") == "committed")
                 assert detail(b, "lost", 7)["state"] in ("registered", "uploading")
+                # Nothing durable yet; asked explicitly, `latest` names the peer-safe one.
+                assert cli("latest", "lost", server=b.url).returncode != 0
+                safe = cli("latest", "lost", "--peer-safe", "--json", server=b.url)
+                assert safe.returncode == 0, safe.stderr
+                assert json.loads(safe.stdout)["step"] == 7
             finally:
                 a.kill()
             shutil.rmtree(tmp_path / "ssd-node-a")
