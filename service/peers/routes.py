@@ -60,6 +60,7 @@ async def serve_peer_file(
     range_header: Annotated[str | None, Header(alias="range")] = None,
 ) -> FileResponse:
     """A file of this node's committed copy of the shard, to a reader of its run."""
+    authorize(principal, Action.READ)  # before the catalog is asked anything
     info = await load_shard(resources, shard_id)
     authorize(principal, Action.READ, info.run)
     if path not in info.files:

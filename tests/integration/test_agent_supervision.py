@@ -32,7 +32,7 @@ async def test_a_healthy_agent_closes_without_a_failure(catalog_url: str, tmp_pa
         assert (await agent.http.get("/healthz")).json() == {"status": "ok"}
         process = agent.process
         assert process.worker is not None
-        assert [p.name for p in process.passes] == ["scrub", "retention"]
+        assert [p.name for p in process.passes] == ["scrub", "peers", "retention"]
     assert process.failures == []
 
 
@@ -80,11 +80,15 @@ async def test_a_dead_periodic_pass_is_seen(
     async with running_agent(catalog_url, tmp_path) as agent:
         await unhealthy(agent)
         for _ in range(500):
-            if len(agent.process.failures) == 2:
+            if len(agent.process.failures) == 3:
                 break
             await asyncio.sleep(0.01)
         # Only the passes: the worker itself still runs.
-        assert [f.component for f in agent.process.failures] == ["scrub pass", "retention pass"]
+        assert [f.component for f in agent.process.failures] == [
+            "scrub pass",
+            "peers pass",
+            "retention pass",
+        ]
         message = (await agent.http.get("/healthz")).json()["error"]["message"]
         assert "scrub pass (RuntimeError: scrub loop bug)" in message
         assert "retention pass (RuntimeError: retention loop bug)" in message

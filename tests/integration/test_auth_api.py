@@ -20,10 +20,12 @@ import pytest
 from devsupport.agent import Agent, running_agent, token_entry, write_checkpoint
 
 ADMIN, TRAINER, READER = "admin-secret", "trainer-secret", "reader-secret"
+PEER = "peer-secret"
 TOKENS = [
     token_entry("ops", ADMIN, "admin"),
     token_entry("trainers", TRAINER, "trainer", runs="llama-*"),
     token_entry("dashboards", READER, "reader", runs="llama-*"),
+    token_entry("agents", PEER, "peer"),
 ]
 READ, WRITE, ADMIN_ONLY = 1, 2, 3
 ROLE_LEVEL = {"reader": READ, "trainer": WRITE, "admin": ADMIN_ONLY}
@@ -47,6 +49,8 @@ class Route:
             .replace("{region}", "local")
             .replace("{key}", f"{run}/step-000000000001/rank-00000/w.bin")
             .replace("{segment_id}", "no-such-segment")
+            .replace("{shard_id}", str(MISSING))
+            .replace("{path}", "w.bin")
         )
 
     def request_body(self, run: str, ssd: Path) -> Any:
@@ -100,6 +104,14 @@ UNSCOPED = [
     # state (its list filtered by the token's runs).
     Route("GET", "/v1/memory", READ),
     Route("DELETE", "/v1/memory/segments/{segment_id}", WRITE),
+    Route("GET", "/v1/agents", READ),
+    # A peer copy is read by whoever may read its shard's run.
+    Route("GET", "/v1/peers/shards/{shard_id}/files/{path}", READ),
+]
+# Only a peer token may push peer copies, and it may do nothing else.
+PEER_PUSH = [
+    Route("PUT", "/v1/peers/shards/{shard_id}/files/{path}", 0, b"bytes"),
+    Route("POST", "/v1/peers/shards/{shard_id}/commit", 0),
 ]
 OPEN = {("GET", "/healthz"), ("GET", "/readyz")}
 # Open or not by configuration ([server] metrics_public): its own test below.
@@ -131,10 +143,13 @@ async def agent(tmp_path: Path) -> AsyncIterator[Agent]:
 
 
 async def call(agent: Agent, route: Route, run: str, headers: dict[str, str]) -> httpx.Response:
+    body = route.request_body(run, agent.ssd)
+    if isinstance(body, bytes):
+        return await agent.http.request(route.method, route.url(run), content=body, headers=headers)
     return await agent.http.request(
         route.method,
         route.url(run),
-        json=route.request_body(run, agent.ssd),
+        json=body,
         params=route.params,
         headers=headers,
     )
@@ -143,7 +158,7 @@ async def call(agent: Agent, route: Route, run: str, headers: dict[str, str]) ->
 async def test_every_route_is_in_the_table(agent: Agent) -> None:
     schema = (await agent.http.get("/openapi.json")).json()
     served = {(m.upper(), p) for p, ops in schema["paths"].items() for m in ops}
-    known = {(r.method, r.path) for r in ROUTES + UNSCOPED} | OPEN
+    known = {(r.method, r.path) for r in ROUTES + UNSCOPED + PEER_PUSH} | OPEN
     unknown = served - known - CONFIGURED
     assert not unknown, f"decide the role of these routes and add them to ROUTES: {unknown}"
     assert known <= served, f"routes in the table the app no longer serves: {known - served}"
@@ -157,7 +172,7 @@ async def test_missing_wrong_or_malformed_token_is_401_everywhere(agent: Agent) 
         {"Authorization": f"Basic {ADMIN}"},
         {"Authorization": ADMIN},
     ]
-    for route in ROUTES + UNSCOPED:
+    for route in ROUTES + UNSCOPED + PEER_PUSH:
         for headers in attempts:
             answer = await call(agent, route, "llama-7b", headers)
             assert answer.status_code == 401, (route, headers, answer.text)
@@ -181,6 +196,23 @@ async def test_roles_and_run_patterns_are_403_everywhere(agent: Agent) -> None:
                     assert error["code"] == "forbidden" and run in error["message"]
                 checked += 1
     assert checked == len(ROUTES) * 6
+
+
+async def test_peer_token_only_pushes_and_only_it_pushes(agent: Agent) -> None:
+    for route in ROUTES + UNSCOPED:
+        answer = await call(agent, route, "llama-7b", bearer(PEER))
+        if route.path == "/v1/runs":
+            assert answer.status_code == 200 and answer.json()["runs"] == []
+        else:
+            assert answer.status_code == 403, (route, answer.text)
+    for route in PEER_PUSH:
+        for token in (READER, TRAINER, ADMIN):
+            answer = await call(agent, route, "llama-7b", bearer(token))
+            assert answer.status_code == 403, (route, token, answer.text)
+            assert "only a token of role 'peer'" in answer.json()["error"]["message"]
+        # Past auth: the shard does not exist.
+        answer = await call(agent, route, "llama-7b", bearer(PEER))
+        assert answer.status_code == 404, (route, answer.text)
 
 
 async def wait_durable(agent: Agent, run: str, step: int, token: str) -> None:
