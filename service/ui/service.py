@@ -14,6 +14,8 @@ from ..checkpoints.replicas import LIVE
 from ..checkpoints.state import replication_lag
 from ..config import Settings
 from ..models import Checkpoint, CheckpointState, Job, ReplicaState, Run, utcnow
+from ..peers.repository import copies_of
+from ..peers.state import by_node, peer_safe
 from . import repository as queries
 from .repository import ACTIVE_JOBS
 from .views import (
@@ -112,6 +114,13 @@ async def run_view(session: AsyncSession, settings: Settings, run: Run) -> RunVi
         offset=0,
     )
     ids = [c.id for c in page]
+    peer_copies = defaultdict(list)
+    for copy in await copies_of(session, ids):
+        peer_copies[copy.checkpoint_id].append(copy)
+    shard_nodes: dict[int, dict[int, str]] = defaultdict(dict)
+    if peer_copies:
+        for shard in await repo.shards_of(session, list(peer_copies)):
+            shard_nodes[shard.checkpoint_id][shard.id] = shard.node
     replicas = defaultdict(list)
     for replica in await repo.replicas_of(session, ids):
         replicas[replica.checkpoint_id].append(replica)
@@ -156,6 +165,10 @@ async def run_view(session: AsyncSession, settings: Settings, run: Run) -> RunVi
             else None,
             pinned=c.pinned,
             quarantined=c.quarantined_at is not None,
+            peers={f"peer:{p.node}": p.state for p in by_node(peer_copies[c.id])},
+            peer_safe=peer_safe(
+                c.world_size, shard_nodes[c.id], peer_copies[c.id], settings.peers.copies
+            ),
         )
         for r in replicas[c.id]:
             retry = retrying.get((c.id, r.region))

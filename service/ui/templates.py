@@ -186,7 +186,7 @@ RUN = """{% extends "base.html" %}
 <h2>Checkpoints</h2>
 <table id="checkpoints"><thead><tr><th class="num">step</th><th>state</th><th>registered (UTC)</th>
 <th>durable after</th><th class="num">size</th>
-{% for region in view.regions %}<th>{{ region }}</th>{% endfor %}<th>parent</th><th>error</th></tr></thead><tbody>
+{% for region in view.regions %}<th>{{ region }}</th>{% endfor %}<th>peers</th><th>parent</th><th>error</th></tr></thead><tbody>
 {% for c in view.checkpoints %}
 <tr id="step-{{ c.step }}" data-step="{{ c.step }}"><td class="num">{{ c.step }}</td>
 <td><span class="badge s-{{ c.state }}">{{ c.state }}</span>{% if c.pinned %} 📌{% endif %}{% if c.quarantined %} <span class="bad">quarantined</span>{% endif %}</td>
@@ -198,6 +198,7 @@ RUN = """{% extends "base.html" %}
 {% if r.lag is not none and not loop.first %}<span class="muted">{{ "waiting " if r.state == "pending" else "" }}{{ duration(r.lag) }}</span>{% endif %}
 {% if r.retrying %}<div class="reason warn">retrying (attempt {{ r.attempts }})</div>{% endif %}
 {% else %}<span class="muted">-</span>{% endif %}</td>{% endfor %}
+<td class="peers" data-peer-safe="{{ 'yes' if c.peer_safe else 'no' }}">{% for name, state in c.peers.items() %}<span class="badge s-{{ state }}" title="{{ state }}">{{ name }}</span> {% else %}<span class="muted">-</span>{% endfor %}{% if c.peer_safe %}<div class="muted">peer-safe</div>{% endif %}</td>
 <td>{% if c.parent %}{{ c.parent[0] }}:{{ c.parent[1] }}{% else %}-{% endif %}</td>
 <td class="reason">{{ c.error or "" }}</td></tr>
 {% endfor %}</tbody></table>

@@ -72,6 +72,9 @@ class CheckpointView:
     pinned: bool
     quarantined: bool
     replicas: dict[str, ReplicaView] = field(default_factory=dict)
+    # "peer:<node>" -> that peer's state (peers/state.py), and peer-safe.
+    peers: dict[str, str] = field(default_factory=dict)
+    peer_safe: bool = False
 
 
 @dataclass

@@ -152,6 +152,8 @@ def test_copy_on_a_peer_corrupted_then_skipped_scrubbed_and_made_again(
         assert shown["peer_safe"] is True
         status = cli("status", "pr", "1", server=a.url)
         assert status.returncode == 0 and "peer:node-b" in status.stdout, status.stdout
+        page = httpx.get(f"{a.url}/ui/runs/pr").text
+        assert 'data-peer-safe="yes"' in page and "peer:node-b" in page
         copy = next(c for c in shown["copies"] if c["tier"] == "peer")
         assert copy["node"] == "node-b"
         held = Path(copy["path"])
