@@ -23,6 +23,7 @@ from . import (
     dedup,
     large_files,
     memory,
+    peers,
     register_latency,
     registration_rate,
     restore,
@@ -44,6 +45,7 @@ SCENARIOS: list[ModuleType] = [
     dedup,
     memory,
     dcp_plugin,
+    peers,
 ]
 
 
