@@ -58,8 +58,9 @@ class ServerSettings(BaseModel):
     rate_limit_per_second: float = Field(200.0, ge=0)
     """Requests per second per token (per client address for unauthenticated
     callers and for the loopback admin when no tokens are configured), as a
-    token bucket of `rate_limit_burst`; 0 turns the limit off. Health probes
-    and the POSIX object downloads of a restore are not counted."""
+    token bucket of `rate_limit_burst`; 0 turns the limit off. Health probes,
+    the POSIX object downloads of a restore and the peer copies' routes
+    (pushes, reads from a peer) are not counted."""
     rate_limit_burst: int = Field(400, ge=1)
     """Size of the rate limit's token bucket: how many requests may come at once."""
     metrics_public: bool = True

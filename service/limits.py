@@ -86,7 +86,9 @@ class BodySizeLimit:
 # Probes must answer even for a caller that is being throttled, and the POSIX
 # object route carries the bytes of a restore (one request per ranged read,
 # no catalog work): its pace is the client's parallelism, not a request rate.
-UNLIMITED_PREFIXES = ("/healthz", "/readyz", "/metrics", "/v1/regions/")
+# So do the peer copies' routes: a push is one request per file, a restore
+# from a peer one per ranged read.
+UNLIMITED_PREFIXES = ("/healthz", "/readyz", "/metrics", "/v1/regions/", "/v1/peers/")
 
 
 async def send_json_error(
