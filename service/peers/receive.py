@@ -93,7 +93,7 @@ class _Sink:
         self.sha = hashlib.sha256()
         self.size = 0
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray) -> None:
         self.handle.write(data)
         self.sha.update(data)
         self.size += len(data)
@@ -144,11 +144,11 @@ async def receive_file(
                     status=422,
                 )
             if len(buffer) >= limit:
-                await asyncio.to_thread(sink.write, bytes(buffer))
-                buffer.clear()
+                # Handed over whole (no copy); a new buffer takes what follows.
+                full, buffer = buffer, bytearray()
+                await asyncio.to_thread(sink.write, full)
         if buffer:
-            await asyncio.to_thread(sink.write, bytes(buffer))
-            buffer.clear()
+            await asyncio.to_thread(sink.write, buffer)
         if sink.size != size:
             raise ApiError(
                 f"{relative}: {sink.size} bytes received, the catalog records {size}",

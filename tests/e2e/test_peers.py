@@ -201,9 +201,9 @@ def test_node_lost_before_upload_restorable_from_peer_which_makes_it_durable(
     worker = {"poll_interval": 0.1, "backoff_base": 0.1, "backoff_max": 1.0, "lease_seconds": 2}
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
         region = s3_region(proxy.endpoint_url, s3_bucket)
-        proxy.fail(503, "ServiceUnavailable")  # the region is down from the start
         a = peer_agent(tmp_path, "node-a", catalog, region, worker=worker).start()
         with peer_agent(tmp_path, "node-b", catalog, region, worker=worker) as b:
+            proxy.fail(503, "ServiceUnavailable")  # the region goes down before the save
             try:
                 source = write_checkpoint(tmp_path / "ssd-node-a" / "step-7", {"w.bin": 200_000})
                 expected = digests(source)
