@@ -3,7 +3,8 @@ one PostgreSQL catalog, each with its own T0 directory and port.
 
 - a checkpoint registered on node A gets a verified copy on node B;
 - a corrupted peer copy is skipped by a restore (the next copy is used),
-  the scrubber marks it, and a new copy is made;
+  the scrubber marks it, and a new copy is made; the peer retention evicts
+  older copies;
 - node A's agent killed -9 and its T0 deleted before the upload finished,
   the region unreachable: restorable through B, bytes identical, and B's
   agent makes it durable once the region is back;
@@ -132,7 +133,14 @@ def test_copy_on_a_peer_corrupted_then_skipped_scrubbed_and_made_again(
     scrub = {"enabled": True, "interval_seconds": 0.5, "min_age_hours": 0}
     with (
         peer_agent(tmp_path, "node-a", catalog, posix(tmp_path)) as a,
-        peer_agent(tmp_path, "node-b", catalog, posix(tmp_path), scrub=scrub) as b,
+        peer_agent(
+            tmp_path,
+            "node-b",
+            catalog,
+            posix(tmp_path),
+            scrub=scrub,
+            peers={"copies": 1, "interval_seconds": 0.3, "lease_seconds": 3, "keep_last": 1},
+        ) as b,
     ):
         listed = poll(
             "both agents live",
@@ -180,6 +188,14 @@ def test_copy_on_a_peer_corrupted_then_skipped_scrubbed_and_made_again(
 
         poll("a corrupt copy scrubbed and pushed again", scrubbed_and_made_again)
         assert digests(held) == digests(source)
+
+        # B keeps the newest copy per run ([peers] keep_last = 1): once step 2
+        # is durable and copied, step 1's copy goes.
+        newer = write_checkpoint(tmp_path / "ssd-node-a" / "step-2", {"model.bin": 1000})
+        assert cli("register", "pr", "2", str(newer), "--wait", server=a.url).returncode == 0
+        poll("step 1's copy evicted", lambda: peer_state(a, "pr", 1, "node-b") == "deleted")
+        assert not held.exists()
+        assert peer_state(a, "pr", 2, "node-b") == "committed"
 
 
 def s3_region(endpoint_url: str, bucket: str) -> dict[str, Any]:
