@@ -350,7 +350,7 @@ class TierckptReader(StorageReader):
                     )
                 # The agent's own URLs and peer agents' carry the token;
                 # presigned ones must not.
-                own = source.tier == "peer" or httpx.URL(f.url).is_relative_url
+                own = source.tier != "region" or httpx.URL(f.url).is_relative_url
                 headers = auth_headers(token) if own else {}
                 copies.remotes.append(Remote(source.region, f.url, headers))
         if METADATA not in files:

@@ -322,7 +322,7 @@ async def restore_from_plan(
             await in_thread(_prune, staging, staged, wanted)
             reused = sum(f.size for f, rel in layout if rel in staged)
             meter = _Meter(progress, reused, sum(f.size for f, _ in layout))
-            jobs = _jobs(staging, layout, staged, token, source.tier == "peer")
+            jobs = _jobs(staging, layout, staged, token, source.tier != "region")
             try:
                 async with _direct_reader(http, direct) as reader:
                     await fetch_files(

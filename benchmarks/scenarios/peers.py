@@ -166,7 +166,9 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             plan = RestorePlan.model_validate(
                 http.get(f"{b.url}/v1/runs/{RUN}/checkpoints/{step}/download").json()
             )
-    peer_source = [s for s in plan.sources if s.tier == "peer"]
+    # B's own copy (a restart on a node reading from the peer B); the plan
+    # also lists A's T0 copy, left out here.
+    peer_source = [s for s in plan.sources if s.region == "peer:peer-b"]
     region_source = [s for s in plan.sources if s.tier != "peer"]
     assert peer_source and region_source, plan
     from_peer: list[float] = []

@@ -327,10 +327,11 @@ class CheckpointService:
     async def restore_plan(
         self, run: str, step: int, region: str | None, rank: int | None, chunks: bool = False
     ) -> RestorePlan:
-        """Sources nearest first: copies on live peer agents ([peers]), then
-        the regions holding a committed copy (``region`` first, else the
-        primary). A checkpoint not yet durable is restorable from its peer
-        copies when every rank asked for has one."""
+        """Sources nearest first: with the peer tier on, the copies live
+        agents hold (the shards' T0 copies and their peer copies, this
+        agent's first), then the regions holding a committed copy
+        (``region`` first, else the primary). A checkpoint not yet durable
+        is restorable from those copies when every rank asked for has one."""
         checkpoint = await self._checkpoint(run, step)
         durable = checkpoint.state in (CheckpointState.DURABLE, CheckpointState.REPLICATED)
         if rank is not None and not 0 <= rank < checkpoint.world_size:
@@ -362,7 +363,12 @@ class CheckpointService:
             )
 
         sources: list[PlanSource] = []
-        if checkpoint.state not in (CheckpointState.FAILED, CheckpointState.DELETED):
+        # The agents' copies (T0, peers) only with the peer tier on: agents
+        # then know each other's URLs (peers/plan.py).
+        if self.settings.peers.copies and checkpoint.state not in (
+            CheckpointState.FAILED,
+            CheckpointState.DELETED,
+        ):
             # Only whole ranks: a rank of the checkpoint not registered yet has no files.
             complete = len({f.rank for f in files}) == (
                 1 if rank is not None else checkpoint.world_size

@@ -1,8 +1,12 @@
-"""The peer sources of a restore plan: copies on live peer agents.
+"""The agents' sources of a restore plan: the shards' own T0 copies (not
+evicted) and their committed peer copies, on live agents, served by those
+agents (``GET /v1/peers/shards/{shard}/files/{path}``).
 
-Each file is read from an agent holding a committed copy of its shard, the
-answering agent's own first (the client asks its node's agent: its copy is
-the nearest), then the others in a fixed order. A checkpoint's ranks may be
+Each file is read from an agent holding a copy of its shard, the answering
+agent's own first (the client asks its node's agent: its copy is the
+nearest), then the others in a fixed order. A source is named after the
+copies it reads, ``t0:<node>`` (the shard's own node) and ``peer:<node>``,
+joined by ``+``. A checkpoint's ranks may be
 on different peers, so a source takes each rank from its ``i``-th holder
 (the last one when a rank has fewer): source 0 the nearest holders, source
 1 the next ones, and so on; a file failing its hash in one is read from the
@@ -49,8 +53,15 @@ async def peer_sources(
         )
     )
     here = settings.server.node
-    for shard_id, rank, node in rows:
-        if node in live:
+    own = await session.execute(
+        select(Shard.id, Shard.rank, Shard.node).where(
+            Shard.checkpoint_id == checkpoint_id, Shard.evicted_at.is_(None)
+        )
+    )
+    origin: dict[int, str] = {}
+    for shard_id, rank, node in [*own, *rows]:
+        origin.setdefault(rank, node)  # the shards come first: their own node
+        if node in live and node not in holders[rank]:
             holders[rank].append(node)
             shard_of[rank] = shard_id
     if any(not holders[rank] for rank in ranks):
@@ -74,6 +85,8 @@ async def peer_sources(
             )
             for f in files
         ]
-        name = "peer:" + "+".join(sorted(set(chosen.values())))
-        sources.append(PlanSource(region=name, files=planned, tier="peer"))
+        names = sorted(
+            {f"t0:{n}" if origin.get(r) == n else f"peer:{n}" for r, n in chosen.items()}
+        )
+        sources.append(PlanSource(region="+".join(names), files=planned, tier="peer"))
     return sources

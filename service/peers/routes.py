@@ -17,7 +17,7 @@ from ..observability import metrics
 from . import agents, layout
 from .receive import commit_copy, load_shard, receive_file
 from .schemas import AgentList, AgentOut, CommittedCopy, ReceivedFile
-from .serve import committed_copy_path
+from .serve import copy_path
 
 router = APIRouter(prefix="/v1", tags=["peers"])
 
@@ -65,13 +65,14 @@ async def serve_peer_file(
     principal: PrincipalDep,
     range_header: Annotated[str | None, Header(alias="range")] = None,
 ) -> FileResponse:
-    """A file of this node's committed copy of the shard, to a reader of its run."""
+    """A file of this node's copy of the shard (a peer copy, or its own T0
+    copy), to a reader of its run."""
     authorize(principal, Action.READ)  # before the catalog is asked anything
     info = await load_shard(resources, shard_id)
     authorize(principal, Action.READ, info.run)
     if path not in info.files:
         raise NotFound(f"shard {shard_id} has no file {path[:200]!r}", code="file_not_found")
-    base = await committed_copy_path(resources, shard_id)
+    base = await copy_path(resources, shard_id)
     target = layout.confined(base, path)
     size = await asyncio.to_thread(lambda: target.stat().st_size if target.is_file() else None)
     if size is None:

@@ -168,15 +168,20 @@ def test_copy_on_a_peer_corrupted_then_skipped_scrubbed_and_made_again(
         assert held.is_relative_to(tmp_path / "ssd-node-b")
         assert digests(held) == digests(source)
 
-        # The copy on B rots: the restore plan lists it first, the client
-        # finds the mismatch and restores from the region instead.
+        # Nearest first: the answering agent's own copy, the other agent's,
+        # then the region.
         plan = httpx.get(f"{a.url}/v1/runs/pr/checkpoints/1/download").json()
-        assert [s["region"] for s in plan["sources"]] == ["peer:node-b", "east"]
+        assert [s["region"] for s in plan["sources"]] == ["t0:node-a", "peer:node-b", "east"]
+        plan = httpx.get(f"{b.url}/v1/runs/pr/checkpoints/1/download").json()
+        assert [s["region"] for s in plan["sources"]] == ["peer:node-b", "t0:node-a", "east"]
+        # The copy on B rots: a restore through B reads it first, finds the
+        # mismatch and restores from the next copy instead (unverified, the
+        # restored bytes would be the rotten ones).
         rotten = held / "model.bin"
         data = bytearray(rotten.read_bytes())
         data[1000] ^= 0xFF
         rotten.write_bytes(bytes(data))
-        restored = cli("restore", "pr", str(tmp_path / "restored"), "--step", "1", server=a.url)
+        restored = cli("restore", "pr", str(tmp_path / "restored"), "--step", "1", server=b.url)
         assert restored.returncode == 0, restored.stderr
         assert digests(tmp_path / "restored") == digests(source)
 
@@ -235,9 +240,11 @@ def test_node_lost_before_upload_restorable_from_peer_which_makes_it_durable(
                 a.kill()
             shutil.rmtree(tmp_path / "ssd-node-a")
 
-            # Not durable, node A gone: restorable from B's copy alone.
+            # Not durable, node A gone: restorable from B's copy (A's T0
+            # copy leaves the plan once A's heartbeat is older than its lease).
             plan = httpx.get(f"{b.url}/v1/runs/lost/checkpoints/7/download").json()
-            assert [s["region"] for s in plan["sources"]] == ["peer:node-b"]
+            assert plan["sources"][0]["region"] == "peer:node-b"
+            assert "east" not in [s["region"] for s in plan["sources"]]
             target = tmp_path / "restored"
             restored = cli("restore", "lost", str(target), "--step", "7", server=b.url)
             assert restored.returncode == 0, restored.stderr
@@ -290,7 +297,7 @@ def test_peer_token_only_pushes_and_only_peer_tokens_push(tmp_path: Path, catalo
         # Only a peer token may push: not a trainer's, an admin's or a reader's.
         copy = next(c for c in detail(a, "tok", 3, ADMIN_TOKEN)["copies"] if c["tier"] == "peer")
         url = httpx.get(
-            f"{a.url}/v1/runs/tok/checkpoints/3/download",
+            f"{b.url}/v1/runs/tok/checkpoints/3/download",
             headers={"Authorization": f"Bearer {READER_TOKEN}"},
         ).json()["sources"][0]["files"][0]["url"]
         push_path = url.split(b.url, 1)[1]
@@ -318,12 +325,14 @@ def test_peer_token_only_pushes_and_only_peer_tokens_push(tmp_path: Path, catalo
         ]
         assert all(p.is_dir() for p in leftovers), leftovers
         assert digests(Path(copy["path"])) == digests(source)
-        # Readers restore from the peer with their own token.
+        # Readers restore from the peer with their own token: a token-less
+        # read of a peer copy is refused.
+        assert httpx.get(f"{b.url}{push_path}").status_code == 401
         restored = cli(
             "restore",
             "tok",
             str(tmp_path / "restored"),
-            server=a.url,
+            server=b.url,  # B's plan: its own peer copy first
             env={"TIERCKPT_TOKEN": READER_TOKEN},
         )
         assert restored.returncode == 0, restored.stderr
