@@ -405,6 +405,10 @@ class MemorySettings(BaseModel):
     lease_seconds: float = Field(600.0, ge=1)
     """A reserved segment not registered within this long (its trainer died
     mid-copy) is reclaimed."""
+    persist_nice: int = Field(10, ge=0, le=19)
+    """Niceness of the thread that writes staged segments to T0: when the
+    CPUs are busy, the upload of the same checkpoint (the copy that makes it
+    durable) gets them first; the T0 copy takes what is left. 0: equal shares."""
 
 
 class Settings(BaseModel):
