@@ -126,9 +126,11 @@ def node_work(node: str) -> ColumnElement[bool]:
     """The jobs a draining agent must finish before its node goes: those
     bound to the node (they read its SSD: nobody else can run them), and the
     commits of checkpoints with a shard on it (a checkpoint is durable only
-    once its manifest is written)."""
+    once its manifest is written). Not its prefetches: they only serve a
+    restart on the node that is going away."""
     return or_(
-        Job.node == node,
+        # A prefetch is not: it only serves a restart on this very node.
+        and_(Job.node == node, Job.kind != JobKind.PREFETCH),
         and_(
             Job.node.is_(None),
             Job.kind == JobKind.COMMIT,
