@@ -123,6 +123,8 @@ class AsyncCheckpointClient(ClientCore):
     verify = _awaiting(ClientCore._verify)
     restore_plan = _awaiting(ClientCore._restore_plan)
     restore = _awaiting(ClientCore._restore)
+    prefetch = _awaiting(ClientCore._prefetch)
+    prefetch_jobs = _awaiting(ClientCore._prefetch_jobs)
     lineage = _awaiting(ClientCore._lineage)
     advice = _awaiting(ClientCore._advice)
     flush_journal = _awaiting(ClientCore._flush_journal)

@@ -136,6 +136,8 @@ class CheckpointClient(ClosesOnExit, ClientCore):
     verify = _blocking(ClientCore._verify)
     restore_plan = _blocking(ClientCore._restore_plan)
     restore = _blocking(ClientCore._restore)
+    prefetch = _blocking(ClientCore._prefetch)
+    prefetch_jobs = _blocking(ClientCore._prefetch_jobs)
     lineage = _blocking(ClientCore._lineage)
     advice = _blocking(ClientCore._advice)
     flush_journal = _blocking(ClientCore._flush_journal)
