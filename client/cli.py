@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("--step", type=_non_negative, help="default: the latest valid checkpoint")
     sub.add_argument(
+        "--if-any",
+        action="store_true",
+        help="job scripts: exit 0 and prefetch nothing when the run has no valid checkpoint"
+        ' yet (--json then prints {"run": RUN, "step": null, "jobs": []})',
+    )
+    sub.add_argument(
         "--wait", action="store_true", help="return once every node holds it (or failed)"
     )
     sub.add_argument(
@@ -472,9 +478,18 @@ def _prefetch(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.wait:
         return _fail("--timeout needs --wait", BAD_INPUT)
     with _client(args) as client:
-        prefetch = client.prefetch(
-            args.run, args.nodes, step=args.step, wait=args.wait, timeout=args.timeout
-        )
+        try:
+            prefetch = client.prefetch(
+                args.run, args.nodes, step=args.step, wait=args.wait, timeout=args.timeout
+            )
+        except NotFoundError as exc:
+            if not args.if_any or args.step is not None:
+                raise
+            # A fresh start for an orchestrator's job script, not an error.
+            if args.json:
+                _emit_json({"run": args.run, "step": None, "jobs": []})
+            print(f"no checkpoint yet: {exc.message}", file=sys.stderr)
+            return OK
     if args.json:
         _emit_json(prefetch)
     else:
