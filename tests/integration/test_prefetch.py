@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from devsupport.agent import Agent, posix_region, running_agent, write_checkpoint
+from tierckpt.client import AsyncCheckpointClient
 from tierckpt.service.prefetch import copies
 
 RUN = "r"
@@ -150,7 +151,14 @@ async def test_prefetched_copies_count_in_t0_retention(catalog_url: str, tmp_pat
         assert copies.held(b.settings) == {RUN: [1]}
         await save_on(a, 2, world_size=1)
         await a.wait_state(RUN, 2)
-        await prefetched(a, {"nodes": ["node-b"]})
+        # Through the client this time (the async face; the CLI drives the sync one).
+        async with AsyncCheckpointClient("http://agent", transport=a.http._transport) as client:
+            done = await client.prefetch(RUN, ["node-b"], wait=True, timeout=60, poll_interval=0.05)
+            assert done.step == 2 and done.done and not done.failed
+            assert [(j.node, j.state) for j in done.jobs] == [("node-b", "succeeded")]
+            listed = await client.prefetch_jobs(RUN)
+            assert [(j.step, j.state) for j in listed] == [(2, "succeeded"), (1, "succeeded")]
+            assert [j.step for j in await client.prefetch_jobs(RUN, step=1)] == [1]
         assert copies.held(b.settings) == {RUN: [2]}
         assert not copies.step_dir(b.settings, RUN, 1).exists()
         assert (await local_of(b, "node-b")) is not None
