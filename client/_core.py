@@ -365,10 +365,23 @@ class ClientCore:
         region: str | None = None,
         rank: int | None = None,
         progress: Progress | None = None,
+        node: str | None = None,
     ) -> Flow[Path]:
-        """_effects.Download and verify a checkpoint into ``dest`` (which must not exist
-        or be empty); returns ``dest``. Falls back across regions."""
+        """Download and verify a checkpoint into ``dest`` (which must not exist
+        or be empty); returns ``dest``. Falls back across regions.
+
+        ``node`` (this node's name as its agent knows it): when the agent
+        vouches for intact T0 copies of the checkpoint on it (the node's own,
+        or a prefetched one; the latest valid checkpoint only), the files are
+        copied from there, each SHA-256 verified, and no region is read."""
         check_destination(dest)
+        if node is not None:
+            latest = yield from self._latest(run, region=region, node=node)
+            if latest is not None and latest.local is not None and step in (None, latest.step):
+                copied = yield _effects.CopyLocal(latest, dest, rank, progress)
+                if copied is not None:
+                    self._restored = CheckpointRef(run=latest.run, step=latest.step)
+                    return Path(copied)
         plan = yield from self._restore_plan(run, step, region=region, rank=rank)
         restored: Path = yield _effects.Download(plan, dest, rank, progress)
         self._restored = CheckpointRef(run=plan.run, step=plan.step)

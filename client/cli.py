@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("--region", help="preferred region; others are fallbacks")
     sub.add_argument("--rank", type=_non_negative, help="only this rank's files")
+    sub.add_argument(
+        "--node",
+        default=os.environ.get("TIERCKPT_NODE") or None,
+        help="this node's name as its agent knows it: copy from its intact local (T0) copy,"
+        " its own or prefetched, verified, instead of downloading (default: $TIERCKPT_NODE)",
+    )
 
     sub = command(
         "prefetch",
@@ -463,7 +469,13 @@ def _restore(args: argparse.Namespace) -> int:
         show = not args.json and sys.stdout.isatty()
         with _render.transfer_meter(f"{args.run}:{step}", show) as meter:
             path = client.restore(
-                args.run, args.dest, step=step, region=args.region, rank=args.rank, progress=meter
+                args.run,
+                args.dest,
+                step=step,
+                region=args.region,
+                rank=args.rank,
+                progress=meter,
+                node=args.node,
             )
     if args.json:
         restored = {"run": args.run, "step": step, "path": str(path), "bytes": meter.total}

@@ -23,6 +23,7 @@ from ._closing import ClosesOnExit
 from ._core import ClientCore, public_method
 from ._download import TransferOptions
 from ._effects import Flow
+from .restore import restore_from_local
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -162,6 +163,8 @@ class CheckpointClient(ClosesOnExit, ClientCore):
                         headers={"User-Agent": USER_AGENT},
                     )
                 return _run_blocking(lambda: self._download(download, http))
+            case _effects.CopyLocal(checkpoint, dest, rank, progress):
+                return restore_from_local(checkpoint, dest, rank=rank, progress=progress)
             case _effects.JournalAppended():
                 self._wake.set()
             case _effects.JournalChange(timeout):

@@ -94,6 +94,14 @@ def test_prefetch_to_another_node_then_restore_there_reads_no_region(
         again = cli("--json", "prefetch", RUN, "--node", "node-b", "--wait", server=a.url)
         assert again.returncode == 0, again.stderr
         assert [j["state"] for j in json.loads(again.stdout)["jobs"]] == ["succeeded"]
+        # A plain restore on node B copies B's verified copy.
+        restore = cli("restore", RUN, str(tmp_path / "plain"), "--node", "node-b", server=b.url)
+        assert restore.returncode == 0, restore.stderr
+        assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
         assert object_requests(proxy, since) == []
         proxy.clear()
 

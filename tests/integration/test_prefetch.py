@@ -14,8 +14,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from devsupport.agent import Agent, posix_region, running_agent, write_checkpoint
-from tierckpt.client import AsyncCheckpointClient
+from tierckpt.client import AsyncCheckpointClient, RestoreError
 from tierckpt.service.prefetch import copies
 
 RUN = "r"
@@ -116,6 +118,19 @@ async def test_prefetch_brings_a_sharded_checkpoint_into_another_node(
         assert [j["state"] for j in again["jobs"]] == ["succeeded"]
         assert again["jobs"][0]["id"] != out["jobs"][0]["id"]
         assert (await local_of(b, "node-b")) == local
+        # A plain restore on node B copies (and hashes) B's copy; without
+        # node= it would need the region, which is gone.
+        async with AsyncCheckpointClient("http://agent", transport=b.http._transport) as client:
+            restored = await client.restore(RUN, tmp_path / "restored", node="node-b")
+            for rank, source in ranks.items():
+                for file in (f"shard-{rank}.bin", "meta/info.json"):
+                    got = restored / f"rank-{rank:05d}" / file
+                    assert digest(got) == digest(source / file)
+            one = await client.restore(RUN, tmp_path / "rank1", rank=1, node="node-b")
+            assert sorted(p.name for p in one.iterdir()) == ["meta", "shard-1.bin"]
+            with pytest.raises(RestoreError):
+                await client.restore(RUN, tmp_path / "from-region")
+            assert not (tmp_path / "from-region").exists()
 
         # A file changed behind the agent's back: that rank is no longer offered.
         changed = Path(local["ranks"]["1"]) / "shard-1.bin"
