@@ -399,11 +399,7 @@ def restore_from_local(
     try:
         for f, rel in layout:
             source = sources[f.rank] / safe_relpath(f.path)
-            try:
-                ok = _copy_verified(source, staging / rel, f.size, f.sha256 or "", meter)
-            except FileNotFoundError:
-                ok = False
-            if not ok:
+            if not _copy_verified(source, staging / rel, f.size, f.sha256 or "", meter):
                 log.warning("local copy %s of %s does not hash right; downloading", source, name)
                 return None
         try:
@@ -419,15 +415,29 @@ def restore_from_local(
 
 def _copy_verified(source: Path, target: Path, size: int, sha256: str, meter: _Meter) -> bool:
     """Copy ``source`` to ``target`` (fsynced), hashing the bytes copied;
-    whether they are ``size`` bytes hashing to ``sha256``."""
+    whether they are ``size`` bytes hashing to ``sha256``. A source that
+    cannot be read (gone, not this machine's, unreadable) is False too; a
+    failure to write ``target`` raises."""
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     seen = 0
-    with open(source, "rb") as reader, open(target, "wb") as writer:
-        while piece := reader.read(LOCAL_PIECE):
+    try:
+        reader = open(source, "rb")
+    except OSError:
+        return False
+    with reader, open(target, "wb") as writer:
+        while True:
+            try:
+                piece = reader.read(LOCAL_PIECE)
+            except OSError:
+                return False
+            if not piece:
+                break
+            seen += len(piece)
+            if seen > size:
+                return False  # not the file the catalog describes: stop reading it
             digest.update(piece)
             writer.write(piece)
-            seen += len(piece)
             meter.add(len(piece))
         writer.flush()
         os.fsync(writer.fileno())
