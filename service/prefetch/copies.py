@@ -121,6 +121,16 @@ def confined(base: Path, relative: str) -> Path:
     return path
 
 
+def check_unlinked(settings: Settings, directory: Path) -> None:
+    """Refuse (ValueError) a copy's directory reached through a symbolic link
+    (someone who may write T0 planted one): the agent would write where the
+    link leads."""
+    real_root = Path(os.path.realpath(settings.local.roots[0]))
+    expected = real_root / directory.relative_to(prefetch_root(settings).parent)
+    if Path(os.path.realpath(directory)) != expected:
+        raise ValueError(f"{directory} leads elsewhere through a symbolic link; refusing it")
+
+
 def read_marker(directory: Path) -> Marker | None:
     try:
         return Marker.from_json((directory / MARKER).read_bytes())

@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints.contents import load_contents
 from ..concurrency import gather_or_cancel
+from ..config import Settings
 from ..db import reading, transaction
 from ..jobs import queue
 from ..jobs.worker import JobHandler, PermanentJobError
@@ -136,7 +137,10 @@ class PrefetchJobs:
             raise StoreError(f"no region holds a committed copy of {plan.run}:{plan.step}")
         objects = [o for o in plan.objects if o.rank in ranks]
         # The copy changes: not offered meanwhile.
-        await asyncio.to_thread(_open_copy, directory, sorted(ranks))
+        try:
+            await asyncio.to_thread(_open_copy, self.r.settings, directory, sorted(ranks))
+        except ValueError as exc:
+            raise PermanentJobError(str(exc)) from exc
         read = 0
         done: list[copies.CopiedFile] = []
 
@@ -180,8 +184,9 @@ class PrefetchJobs:
         log.warning("prefetch job %d for node %s gave up: %s", job.id, job.node, error)
 
 
-def _open_copy(directory: Path, ranks: list[int]) -> None:
+def _open_copy(settings: Settings, directory: Path, ranks: list[int]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
+    copies.check_unlinked(settings, directory)
     (directory / copies.MARKER).unlink(missing_ok=True)
     for rank in ranks:
         copies.rank_dir(directory, rank).mkdir(exist_ok=True)

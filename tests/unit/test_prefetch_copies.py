@@ -116,3 +116,18 @@ def test_remove_refuses_a_copy_that_is_a_link(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         copies.remove(config, "r", 5)
     assert (outside / "keep").exists()
+
+
+def test_a_copy_reached_through_a_link_is_refused(tmp_path: Path) -> None:
+    config = settings(tmp_path)
+    directory = copies.step_dir(config, "r", 5)
+    directory.mkdir(parents=True)
+    copies.check_unlinked(config, directory)  # a plain directory
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = copies.prefetch_root(config) / "x"
+    run.symlink_to(elsewhere)
+    linked = copies.step_dir(config, "x", 5)
+    linked.mkdir()
+    with pytest.raises(ValueError):
+        copies.check_unlinked(config, linked)
