@@ -111,6 +111,14 @@ async def test_prefetch_brings_a_sharded_checkpoint_into_another_node(
             str(r): str(p) for r, p in ranks.items()
         }
         assert await local_of(a, "node-b") is None
+        # The detail view lists node B's copy, where B's agent answers it.
+        detail = (await b.http.get(f"/v1/runs/{RUN}/checkpoints/10")).json()
+        t0 = {(c["node"], c["rank"], c["path"]) for c in detail["copies"] if c["tier"] == "t0"}
+        assert t0 == {("node-a", r, str(p)) for r, p in ranks.items()} | {
+            ("node-b", r, local["ranks"][str(r)]) for r in (0, 1)
+        }
+        detail = (await a.http.get(f"/v1/runs/{RUN}/checkpoints/10")).json()
+        assert {c["node"] for c in detail["copies"] if c["tier"] == "t0"} == {"node-a"}
 
         # A second prefetch reads nothing: with the region gone it still succeeds.
         shutil.rmtree(region)
