@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -326,6 +326,18 @@ async def enqueue_prefetch(
     row["dedupe_key"] = prefetch_dedupe_key(checkpoint_id, node)
     await queue.enqueue_row(session, row)
     return await session.scalar(select(Job.id).where(Job.dedupe_key == row["dedupe_key"]))
+
+
+# A prefetch serves an imminent restart: one that no agent of its node has
+# claimed after this long (a node name that is no agent's, an agent that is
+# gone) is failed by the retention pass instead of waiting for ever.
+PREFETCH_UNCLAIMED_SECONDS = 3600.0
+
+
+async def expire_prefetches(session: AsyncSession, now: datetime) -> int:
+    return await queue.expire_unclaimed(
+        session, JobKind.PREFETCH, now - timedelta(seconds=PREFETCH_UNCLAIMED_SECONDS)
+    )
 
 
 def prefetch_dedupe_key(checkpoint_id: int, node: str) -> str:

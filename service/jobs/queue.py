@@ -316,6 +316,32 @@ async def supersede(session: AsyncSession, job_id: int, reason: str) -> bool:
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
+async def expire_unclaimed(session: AsyncSession, kind: str, older_than: datetime) -> int:
+    """Fail the jobs of ``kind`` queued before ``older_than`` that no worker
+    ever claimed (their node's agent never came); how many."""
+    result = await session.execute(
+        update(Job)
+        .where(
+            Job.kind == kind,
+            Job.state == JobState.QUEUED,
+            Job.attempts == 0,
+            Job.created_at < older_than,
+        )
+        .values(
+            state=JobState.FAILED,
+            dedupe_key=None,
+            last_error=(
+                "no agent of this node claimed it in time: is the node name its agent's "
+                "[server] node, and is that agent running?"
+            ),
+            finished_at=utcnow(),
+            updated_at=utcnow(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
 # -- moves between kinds ------------------------------------------------------
 
 

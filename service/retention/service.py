@@ -226,9 +226,15 @@ async def apply_all(resources: Resources) -> dict[str, int]:
     """One retention pass over every run (the sweeper's tick)."""
     async with transaction(resources.sessionmaker) as session:
         expired = await expire_incomplete(session, resources)
+        unclaimed = await kinds.expire_prefetches(session, utcnow())
     deleted = await queue_deletions(resources)
     evicted = await evict_local_copies(resources)
-    return {"expired": expired, "delete_queued": deleted, "evicted": evicted}
+    return {
+        "expired": expired,
+        "delete_queued": deleted,
+        "evicted": evicted,
+        "prefetch_expired": unclaimed,
+    }
 
 
 async def queue_deletions(resources: Resources, run_id: int | None = None) -> int:

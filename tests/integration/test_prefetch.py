@@ -11,14 +11,19 @@ import hashlib
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import update
 
 from devsupport.agent import Agent, posix_region, running_agent, write_checkpoint
 from tierckpt.client import AsyncCheckpointClient, RestoreError
+from tierckpt.service.db import transaction
+from tierckpt.service.models import Job, utcnow
 from tierckpt.service.prefetch import copies
+from tierckpt.service.retention.service import apply_all
 
 RUN = "r"
 
@@ -185,6 +190,25 @@ async def test_prefetched_copies_count_in_t0_retention(catalog_url: str, tmp_pat
         assert copies.held(b.settings) == {RUN: [2]}
         assert not copies.step_dir(b.settings, RUN, 1).exists()
         assert (await local_of(b, "node-b")) is not None
+
+        # A node no agent answers for: its job waits, then the retention pass
+        # fails it with the reason (a restart does not wait for ever).
+        answer = await a.http.post(f"/v1/runs/{RUN}/prefetch", json={"nodes": ["node-gone"]})
+        (job,) = answer.json()["jobs"]
+        assert job["state"] == "queued"
+        assert (await apply_all(a.resources))["prefetch_expired"] == 0
+        async with transaction(a.resources.sessionmaker) as session:
+            await session.execute(
+                update(Job)
+                .where(Job.id == job["id"])
+                .values(created_at=utcnow() - timedelta(hours=2))
+            )
+        assert (await apply_all(a.resources))["prefetch_expired"] == 1
+        (gone,) = (await a.http.get(f"/v1/runs/{RUN}/prefetch", params={"step": 2})).json()["jobs"][
+            :1
+        ]
+        assert gone["node"] == "node-gone" and gone["state"] == "failed"
+        assert "no agent of this node" in gone["error"]
 
 
 async def test_bad_prefetch_requests_are_refused_by_name(tmp_path: Path) -> None:
