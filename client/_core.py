@@ -415,7 +415,7 @@ class ClientCore:
                 )
             yield _effects.Sleep(delay)
             jobs = yield from self._send(
-                _api.prefetch_jobs(run, step=asked.step, limit=max(100, 2 * len(ids)))
+                _api.prefetch_jobs(run, step=asked.step, limit=min(4096, max(100, 2 * len(ids))))
             )
             by_id = {job.id: job for job in jobs if job.id in ids}
             asked = asked.model_copy(

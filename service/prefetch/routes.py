@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from ..auth import Action, authorize
 from ..deps import PrincipalDep, ResourcesDep, SessionDep
-from .schemas import PrefetchOut, PrefetchPage, PrefetchRequest
+from .schemas import MAX_NODES, PrefetchOut, PrefetchPage, PrefetchRequest
 from .service import prefetch_status, request_prefetch
 
 router = APIRouter(prefix="/v1", tags=["prefetch"])
@@ -35,7 +35,8 @@ async def prefetch_jobs(
     session: SessionDep,
     principal: PrincipalDep,
     step: Annotated[int | None, Query(ge=0)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    # Up to one request's nodes: a caller following its jobs sees them all.
+    limit: Annotated[int, Query(ge=1, le=MAX_NODES)] = 100,
 ) -> PrefetchPage:
     authorize(principal, Action.READ, run)
     return await prefetch_status(session, run, step, limit)

@@ -81,7 +81,8 @@ async def request_prefetch(
         await kinds.enqueue_prefetch(session, checkpoint.id, node, worker=resources.settings.worker)
         for node in body.nodes
     ]
-    jobs = await repo.prefetch_jobs(session, run.id, ids=[i for i in ids if i is not None])
+    found = [i for i in ids if i is not None]
+    jobs = await repo.prefetch_jobs(session, run.id, ids=found, limit=len(found))
     by_node = {job.node: _job_out(name, job, step) for job, step in jobs}
     return PrefetchOut(
         run=name, step=checkpoint.step, jobs=[by_node[n] for n in body.nodes if n in by_node]

@@ -193,8 +193,11 @@ async def test_prefetched_copies_count_in_t0_retention(catalog_url: str, tmp_pat
 
         # A node no agent answers for: its job waits, then the retention pass
         # fails it with the reason (a restart does not wait for ever).
-        answer = await a.http.post(f"/v1/runs/{RUN}/prefetch", json={"nodes": ["node-gone"]})
-        (job,) = answer.json()["jobs"]
+        # (More nodes than a page of jobs: the answer still lists each.)
+        nodes = ["node-gone", *(f"n{i}" for i in range(150))]
+        answer = await a.http.post(f"/v1/runs/{RUN}/prefetch", json={"nodes": nodes})
+        assert [j["node"] for j in answer.json()["jobs"]] == nodes
+        job = answer.json()["jobs"][0]
         assert job["state"] == "queued"
         assert (await apply_all(a.resources))["prefetch_expired"] == 0
         async with transaction(a.resources.sessionmaker) as session:
@@ -204,11 +207,12 @@ async def test_prefetched_copies_count_in_t0_retention(catalog_url: str, tmp_pat
                 .values(created_at=utcnow() - timedelta(hours=2))
             )
         assert (await apply_all(a.resources))["prefetch_expired"] == 1
-        (gone,) = (await a.http.get(f"/v1/runs/{RUN}/prefetch", params={"step": 2})).json()["jobs"][
-            :1
-        ]
-        assert gone["node"] == "node-gone" and gone["state"] == "failed"
-        assert "no agent of this node" in gone["error"]
+        page = await a.http.get(f"/v1/runs/{RUN}/prefetch", params={"step": 2, "limit": 500})
+        states = {j["node"]: (j["state"], j["error"]) for j in page.json()["jobs"]}
+        assert len(states) == 152  # node-b's, node-gone's, and the 150 others
+        assert states["node-gone"][0] == "failed"
+        assert "no agent of this node" in states["node-gone"][1]
+        assert states["n0"] == ("queued", None)
 
 
 async def test_bad_prefetch_requests_are_refused_by_name(tmp_path: Path) -> None:
