@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from ..retention.service import evict_local_copies
 from ..storage.base import StoreError
 from ..storage.manifest import ObjectEntry
 from . import copies
-from .fetch import BadCopy, fetch_object, hash_local
+from .fetch import TMP_INFIX, BadCopy, fetch_object, hash_local
 
 log = logging.getLogger("tierckpt.prefetch")
 
@@ -188,6 +189,11 @@ def _open_copy(settings: Settings, directory: Path, ranks: list[int]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     copies.check_unlinked(settings, directory)
     (directory / copies.MARKER).unlink(missing_ok=True)
+    # What an attempt killed mid-file left (one job at a time writes here).
+    for parent, _dirs, names in os.walk(directory):
+        for name in names:
+            if TMP_INFIX in name:
+                Path(parent, name).unlink(missing_ok=True)
     for rank in ranks:
         copies.rank_dir(directory, rank).mkdir(exist_ok=True)
 

@@ -249,3 +249,25 @@ async def test_bad_prefetch_requests_are_refused_by_name(tmp_path: Path) -> None
         assert (await error({"nodes": ["n"]}, 422, run="a,b"))["code"] == "invalid_run"
         assert (await agent.http.get(url)).json() == {"run": RUN, "jobs": []}
         assert (await agent.http.get(url, params={"limit": 0})).status_code == 422
+
+
+async def test_what_a_killed_prefetch_left_is_reused_or_removed(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    region = tmp_path / "east"
+    async with two_nodes(catalog_url, tmp_path, [posix_region("east", region)]) as (a, b):
+        ranks = await save_on(a, 4, world_size=1)
+        await a.wait_state(RUN, 4)
+        # As a prefetch killed midway leaves it: one file verified and in
+        # place, one half-written temporary file, no marker.
+        rank0 = copies.rank_dir(copies.step_dir(b.settings, RUN, 4), 0)
+        rank0.mkdir(parents=True)
+        shutil.copy(ranks[0] / "shard-0.bin", rank0 / "shard-0.bin")
+        (rank0 / ".info.json.tierckpt-tmp-dead").write_bytes(b"{")
+        assert await local_of(b, "node-b") is None  # no marker: not offered
+        # The file in place is kept, not fetched again: the region loses it.
+        next(region.rglob("shard-0.bin")).unlink()
+        out = await prefetched(b, {"nodes": ["node-b"]})
+        assert [j["state"] for j in out["jobs"]] == ["succeeded"]
+        assert sorted(p.name for p in rank0.rglob("*")) == ["info.json", "meta", "shard-0.bin"]
+        assert (await local_of(b, "node-b"))["ranks"] == {"0": str(rank0)}  # type: ignore[index]
