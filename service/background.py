@@ -17,6 +17,7 @@ from .integrity.scrub import Scrubber
 from .jobs.kinds import KINDS
 from .jobs.worker import JobHandler, Worker
 from .periodic import Periodic
+from .prefetch.jobs import PrefetchJobs
 from .replication.jobs import ReplicationJobs
 from .resources import Resources
 from .retention.at_durable import RetainJobs
@@ -33,6 +34,7 @@ def job_handlers(resources: Resources) -> dict[str, JobHandler]:
         **VerifyJobs(resources).handlers(),
         **DeleteJobs(resources).handlers(),
         **RetainJobs(resources).handlers(),
+        **PrefetchJobs(resources).handlers(),
     }
     if handlers.keys() != KINDS.keys():
         raise RuntimeError(

@@ -99,7 +99,8 @@ class LocalSettings(BaseModel):
     them (symlinks leading out included) is refused."""
     keep_last: int = Field(2, ge=0)
     """Newest local copies kept per run; older ones are deleted from the SSD
-    once the checkpoint is durable in the regions."""
+    once the checkpoint is durable in the regions. Prefetched copies (`tierckpt
+    prefetch`) count among them; a run's newest prefetched copy always stays."""
     max_files_per_checkpoint: int = Field(100_000, ge=1)
     """Most files one registered checkpoint (shard) may hold."""
     max_path_length: int = Field(1024, ge=16)

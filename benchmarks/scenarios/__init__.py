@@ -20,6 +20,7 @@ from . import (
     catalog_latest,
     cpu,
     dcp_plugin,
+    dcp_restore,
     dedup,
     large_files,
     memory,
@@ -44,6 +45,7 @@ SCENARIOS: list[ModuleType] = [
     dedup,
     memory,
     dcp_plugin,
+    dcp_restore,
 ]
 
 

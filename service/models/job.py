@@ -22,6 +22,7 @@ class JobKind(enum.StrEnum):
     VERIFY = "verify"  # re-read a region's objects and re-hash them
     DELETE = "delete"  # remove a checkpoint from every region (manifest first)
     RETAIN = "retain"  # apply a run's retention once a checkpoint of it is durable; per node
+    PREFETCH = "prefetch"  # bring a valid checkpoint into a node's T0 before a restart; per node
 
 
 class JobState(enum.StrEnum):

@@ -28,7 +28,15 @@ def stored(payload: dict[str, object]) -> dict[str, object]:
 
 def test_every_kind_is_registered_and_nothing_else() -> None:
     assert set(KINDS) == {k.value for k in JobKind}
-    assert set(KINDS) == {"upload", "commit", "replicate", "verify", "delete", "retain"}
+    assert set(KINDS) == {
+        "upload",
+        "commit",
+        "replicate",
+        "verify",
+        "delete",
+        "retain",
+        "prefetch",
+    }
     assert all(KINDS[name].name == name for name in KINDS)
 
 
@@ -42,6 +50,7 @@ def test_every_kind_is_registered_and_nothing_else() -> None:
         ("replicate", NoPayload()),
         ("verify", NoPayload()),
         ("retain", NoPayload()),
+        ("prefetch", NoPayload()),
         ("delete", DeletePayload("retention: keep_last", force=False)),
         ("delete", DeletePayload("deleted by alice", force=True)),
     ],
