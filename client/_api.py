@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
@@ -27,6 +27,8 @@ from .models import (
     Lineage,
     MemoryInfo,
     MemorySegment,
+    Prefetch,
+    PrefetchJob,
     RestorePlan,
     RunSummary,
 )
@@ -206,6 +208,23 @@ def latest(
         ),
         none_on_404=True,
     )
+
+
+def prefetch(run: str, nodes: Sequence[str], *, step: int | None = None) -> Call[Prefetch]:
+    body: dict[str, Any] = {"nodes": list(nodes)}
+    if step is not None:
+        body["step"] = step
+    return Call("POST", f"/v1/runs/{_seg(run)}/prefetch", Prefetch.model_validate, body=body)
+
+
+def prefetch_jobs(
+    run: str, *, step: int | None = None, limit: int | None = None
+) -> Call[list[PrefetchJob]]:
+    def parse(data: Any) -> list[PrefetchJob]:
+        return [PrefetchJob.model_validate(item) for item in data["jobs"]]
+
+    params = _query(step=step, limit=limit)
+    return Call("GET", f"/v1/runs/{_seg(run)}/prefetch", parse, params=params)
 
 
 def memory_info() -> Call[MemoryInfo]:

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +36,8 @@ from .models import (
     Lineage,
     MemoryInfo,
     MemorySegment,
+    Prefetch,
+    PrefetchJob,
     RestorePlan,
     RunSummary,
 )
@@ -369,14 +371,70 @@ class ClientCore:
         region: str | None = None,
         rank: int | None = None,
         progress: Progress | None = None,
+        node: str | None = None,
     ) -> Flow[Path]:
-        """_effects.Download and verify a checkpoint into ``dest`` (which must not exist
-        or be empty); returns ``dest``. Falls back across regions."""
+        """Download and verify a checkpoint into ``dest`` (which must not exist
+        or be empty); returns ``dest``. Falls back across regions.
+
+        ``node`` (this node's name as its agent knows it): when the agent
+        vouches for intact T0 copies of the checkpoint on it (the node's own,
+        or a prefetched one; the latest valid checkpoint only), the files are
+        copied from there, each SHA-256 verified, and no region is read."""
         check_destination(dest)
+        if node is not None:
+            latest = yield from self._latest(run, region=region, node=node)
+            if latest is not None and latest.local is not None and step in (None, latest.step):
+                copied = yield _effects.CopyLocal(latest, dest, rank, progress)
+                if copied is not None:
+                    self._restored = CheckpointRef(run=latest.run, step=latest.step)
+                    return Path(copied)
         plan = yield from self._restore_plan(run, step, region=region, rank=rank)
         restored: Path = yield _effects.Download(plan, dest, rank, progress)
         self._restored = CheckpointRef(run=plan.run, step=plan.step)
         return restored
+
+    def _prefetch(
+        self,
+        run: str,
+        nodes: Sequence[str],
+        step: int | None = None,
+        wait: bool = False,
+        timeout: float | None = None,
+        poll_interval: float = 0.5,
+    ) -> Flow[Prefetch]:
+        """Ask the agents of ``nodes`` to bring ``step`` (default: the latest
+        valid checkpoint) into their T0, verified, before a restart there;
+        ``latest(run, node=...)`` then offers that copy. With ``wait``, poll
+        until every node's job has succeeded or failed (see ``failed``);
+        TimeoutError after ``timeout`` seconds."""
+        asked = yield from self._send(_api.prefetch(run, nodes, step=step))
+        if not wait or asked.done:
+            return asked
+        ids = {job.id for job in asked.jobs}
+        deadline = _api.wait_deadline(timeout)
+        while True:
+            delay = _api.next_poll_delay(deadline, poll_interval)
+            if delay is None:
+                pending = ", ".join(j.node for j in asked.jobs if not j.done)
+                raise TimeoutError(
+                    f"prefetch of {run}:{asked.step} still running after {timeout} s on {pending}"
+                )
+            yield _effects.Sleep(delay)
+            jobs = yield from self._send(
+                _api.prefetch_jobs(run, step=asked.step, limit=min(4096, max(100, 2 * len(ids))))
+            )
+            by_id = {job.id: job for job in jobs if job.id in ids}
+            asked = asked.model_copy(
+                update={"jobs": [by_id.get(job.id, job) for job in asked.jobs]}
+            )
+            if asked.done:
+                return asked
+
+    def _prefetch_jobs(
+        self, run: str, step: int | None = None, limit: int | None = None
+    ) -> Flow[list[PrefetchJob]]:
+        """The run's prefetch jobs, newest first (of ``step`` only)."""
+        return self._send(_api.prefetch_jobs(run, step=step, limit=limit))
 
     def _lineage(self, run: str, step: int) -> Flow[Lineage]:
         """Ancestors (across runs, parent first) and direct children."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 from ._api import Call
-from .models import RestorePlan
+from .models import Checkpoint, RestorePlan
 
 T = TypeVar("T")
 
@@ -42,6 +42,19 @@ class Download:
     """Download and verify ``plan`` into ``dest``; answers the restored path."""
 
     plan: RestorePlan
+    dest: str | os.PathLike[str]
+    rank: int | None
+    progress: Callable[[int, int], None] | None  # restore.Progress
+
+
+@dataclass(frozen=True, slots=True)
+class CopyLocal:
+    """Copy ``checkpoint``'s files from this node's intact T0 copies
+    (``checkpoint.local``) into ``dest``, each SHA-256 verified; answers the
+    restored path, or None when a copy is gone or does not hash right (the
+    flow then downloads)."""
+
+    checkpoint: Checkpoint
     dest: str | os.PathLike[str]
     rank: int | None
     progress: Callable[[int, int], None] | None  # restore.Progress
@@ -81,6 +94,7 @@ Effect = (
     Http
     | Sleep
     | Download
+    | CopyLocal
     | ReplayTurn
     | ReplayIdle
     | JournalAppended

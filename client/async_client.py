@@ -20,6 +20,7 @@ from ._api import DEFAULT_URL, USER_AGENT
 from ._core import ClientCore, public_method
 from ._download import TransferOptions
 from ._effects import Flow
+from .restore import restore_from_local
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -123,6 +124,8 @@ class AsyncCheckpointClient(ClientCore):
     verify = _awaiting(ClientCore._verify)
     restore_plan = _awaiting(ClientCore._restore_plan)
     restore = _awaiting(ClientCore._restore)
+    prefetch = _awaiting(ClientCore._prefetch)
+    prefetch_jobs = _awaiting(ClientCore._prefetch_jobs)
     lineage = _awaiting(ClientCore._lineage)
     advice = _awaiting(ClientCore._advice)
     flush_journal = _awaiting(ClientCore._flush_journal)
@@ -141,6 +144,10 @@ class AsyncCheckpointClient(ClientCore):
             case _effects.Download() as download:
                 given = self._http if self._download_transport is not None else None
                 return await self._download(download, given)
+            case _effects.CopyLocal(checkpoint, dest, rank, progress):
+                return await asyncio.to_thread(
+                    restore_from_local, checkpoint, dest, rank=rank, progress=progress
+                )
             case _effects.ReplayTurn():
                 return True  # aclose() cancels the replayer instead
             case _effects.ReplayIdle():

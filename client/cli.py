@@ -1,8 +1,9 @@
 """The ``tierckpt`` command line.
 
 Exit codes: 0 ok, 1 not found, 2 bad usage or input (including 4xx answers
-of the service), 3 server error or unreachable, 4 `verify` found a corrupt
-copy (a repair is scheduled; see `status`). Errors print
+of the service), 3 server error or unreachable (and `prefetch --wait`: a
+node's prefetch failed or is still running at `--timeout`), 4 `verify`
+found a corrupt copy (a repair is scheduled; see `status`). Errors print
 ``error: <message>`` on stderr, never a traceback. ``--json`` puts exactly
 one JSON document on stdout.
 """
@@ -200,6 +201,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("--region", help="preferred region; others are fallbacks")
     sub.add_argument("--rank", type=_non_negative, help="only this rank's files")
+    sub.add_argument(
+        "--node",
+        default=os.environ.get("TIERCKPT_NODE") or None,
+        help="this node's name as its agent knows it: copy from its intact local (T0) copy,"
+        " its own or prefetched, verified, instead of downloading (default: $TIERCKPT_NODE)",
+    )
+
+    sub = command(
+        "prefetch",
+        _prefetch,
+        "bring a checkpoint into nodes' local SSD (T0), verified, before a restart there",
+    )
+    sub.add_argument("run")
+    sub.add_argument(
+        "--node",
+        dest="nodes",
+        action="append",
+        required=True,
+        metavar="NODE",
+        help="a node's name as its agent knows it ([server] node); repeat for several",
+    )
+    sub.add_argument("--step", type=_non_negative, help="default: the latest valid checkpoint")
+    sub.add_argument(
+        "--if-any",
+        action="store_true",
+        help="job scripts: exit 0 and prefetch nothing when the run has no valid checkpoint"
+        ' yet (--json then prints {"run": RUN, "step": null, "jobs": []})',
+    )
+    sub.add_argument(
+        "--wait", action="store_true", help="return once every node holds it (or failed)"
+    )
+    sub.add_argument(
+        "--timeout", type=_seconds, metavar="S", help="with --wait: give up after S seconds"
+    )
 
     sub = command("status", _status, "show the checkpoints of a run, or one in detail")
     sub.add_argument("run")
@@ -442,7 +477,13 @@ def _restore(args: argparse.Namespace) -> int:
         show = not args.json and sys.stdout.isatty()
         with _render.transfer_meter(f"{args.run}:{step}", show) as meter:
             path = client.restore(
-                args.run, args.dest, step=step, region=args.region, rank=args.rank, progress=meter
+                args.run,
+                args.dest,
+                step=step,
+                region=args.region,
+                rank=args.rank,
+                progress=meter,
+                node=args.node,
             )
     if args.json:
         restored = {"run": args.run, "step": step, "path": str(path), "bytes": meter.total}
@@ -450,6 +491,37 @@ def _restore(args: argparse.Namespace) -> int:
     else:
         size = _render.size(meter.total)
         _render.console().print(f"restored {args.run}:{step} ({size}, verified) to {path}")
+    return OK
+
+
+def _prefetch(args: argparse.Namespace) -> int:
+    if args.timeout is not None and not args.wait:
+        return _fail("--timeout needs --wait", BAD_INPUT)
+    with _client(args) as client:
+        try:
+            prefetch = client.prefetch(
+                args.run, args.nodes, step=args.step, wait=args.wait, timeout=args.timeout
+            )
+        except NotFoundError as exc:
+            if not args.if_any or args.step is not None:
+                raise
+            # A fresh start for an orchestrator's job script, not an error.
+            if args.json:
+                _emit_json({"run": args.run, "step": None, "jobs": []})
+            print(f"no checkpoint yet: {exc.message}", file=sys.stderr)
+            return OK
+    if args.json:
+        _emit_json(prefetch)
+    else:
+        for job in prefetch.jobs:
+            why = f": {job.error}" if job.error else ""
+            _render.console().print(
+                f"{prefetch.run}:{prefetch.step} on {job.node}: {job.state}{why}"
+            )
+    failed = prefetch.failed
+    if failed:
+        nodes = ", ".join(job.node for job in failed)
+        return _fail(f"prefetch of {prefetch.run}:{prefetch.step} failed on {nodes}", SERVER_ERROR)
     return OK
 
 

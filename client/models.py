@@ -317,3 +317,39 @@ class Advice(_Model):
     window: int = 0
     observed: AdviceObserved = Field(default_factory=AdviceObserved)
     scenarios: list[AdviceScenario] = Field(default_factory=list)
+
+
+class PrefetchJob(_Model):
+    """One node's prefetch of a checkpoint into its T0 (``POST
+    /v1/runs/{run}/prefetch``): queued, running, succeeded or failed
+    (``error`` says why; a queued job with an error waits to retry)."""
+
+    id: int
+    run: str
+    step: int
+    node: str
+    state: str
+    attempts: int = 0
+    error: str | None = None
+    created_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("succeeded", "failed")
+
+
+class Prefetch(_Model):
+    """The checkpoint being prefetched and its job on each node asked for."""
+
+    run: str
+    step: int
+    jobs: list[PrefetchJob] = Field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(job.done for job in self.jobs)
+
+    @property
+    def failed(self) -> list[PrefetchJob]:
+        return [job for job in self.jobs if job.state == "failed"]

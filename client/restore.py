@@ -1,4 +1,5 @@
-"""Turn a restore plan into a verified local directory, all or nothing.
+"""Turn a restore plan into a verified local directory, all or nothing (or
+copy one from this node's intact T0 copies, verified the same way).
 
 Files are staged in a hidden directory next to ``dest`` (same filesystem),
 each one SHA-256 verified, fsynced, and the directory renamed onto ``dest``
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import shutil
@@ -26,12 +28,13 @@ from ._direct_get import DirectRanges
 from ._download import FileJob, SourceError, TransferOptions, fetch_files, in_thread
 from ._files import fsync_dir
 from .errors import BadRequestError, DestinationError, RestoreError
-from .models import PlanFile, RestorePlan
+from .models import Checkpoint, PlanFile, RestorePlan
 
 log = logging.getLogger("tierckpt.client.restore")
 
 Progress = Callable[[int, int], None]
 PARTIAL_INFIX = ".tierckpt-partial-"
+LOCAL_PIECE = 8 << 20  # what a copy from a local T0 copy holds at once
 
 
 def safe_relpath(path: str) -> PurePosixPath:
@@ -356,3 +359,88 @@ async def restore_from_plan(
         )
     finally:
         await in_thread(_discard, staging, created_parents)
+
+
+def restore_from_local(
+    checkpoint: Checkpoint,
+    dest: str | os.PathLike[str],
+    *,
+    rank: int | None = None,
+    progress: Progress | None = None,
+) -> Path | None:
+    """Copy ``checkpoint`` (all ranks, or ``rank``'s) from this node's intact
+    T0 copies (``checkpoint.local``: the node's own, or prefetched ones) into
+    ``dest``, every file SHA-256 verified while copied, staged and renamed
+    like a download; None, leaving nothing behind, when a rank is not there or
+    a file does not hash right: the caller downloads instead. Blocking."""
+    local = checkpoint.local
+    name = f"{checkpoint.run}:{checkpoint.step}"
+    if local is None:
+        return None
+    files = [
+        PlanFile(rank=f.rank, path=f.path, size=f.size, sha256=f.sha256, url="")
+        for f in checkpoint.files
+    ]
+    layout = plan_layout(files, rank)
+    sources: dict[int, Path] = {}
+    for f, _rel in layout:
+        directory = local.of_rank(f.rank)
+        if directory is None:
+            return None
+        sources[f.rank] = Path(directory)
+    target = check_destination(dest)
+    check_free_space(target, [f.size for f, _ in layout], name)
+    try:
+        staging, created_parents = _make_staging(target)
+    except OSError as exc:
+        raise DestinationError(
+            f"cannot create a staging directory next to {target}: {exc.strerror or exc}",
+            code="dest_unusable",
+        ) from exc
+    meter = _Meter(progress, 0, sum(f.size for f, _ in layout))
+    try:
+        for f, rel in layout:
+            source = sources[f.rank] / safe_relpath(f.path)
+            if not _copy_verified(source, staging / rel, f.size, f.sha256 or "", meter):
+                log.warning("local copy %s of %s does not hash right; downloading", source, name)
+                return None
+        try:
+            _commit(staging, target)
+        except OSError as exc:
+            raise _local_error(exc, f"finishing the restore into {target}") from exc
+        return target
+    except OSError as exc:
+        raise _local_error(exc, f"copying the local copy of {name} into {target.parent}") from exc
+    finally:
+        _discard(staging, created_parents)
+
+
+def _copy_verified(source: Path, target: Path, size: int, sha256: str, meter: _Meter) -> bool:
+    """Copy ``source`` to ``target`` (fsynced), hashing the bytes copied;
+    whether they are ``size`` bytes hashing to ``sha256``. A source that
+    cannot be read (gone, not this machine's, unreadable) is False too; a
+    failure to write ``target`` raises."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    seen = 0
+    try:
+        reader = open(source, "rb")
+    except OSError:
+        return False
+    with reader, open(target, "wb") as writer:
+        while True:
+            try:
+                piece = reader.read(LOCAL_PIECE)
+            except OSError:
+                return False
+            if not piece:
+                break
+            seen += len(piece)
+            if seen > size:
+                return False  # not the file the catalog describes: stop reading it
+            digest.update(piece)
+            writer.write(piece)
+            meter.add(len(piece))
+        writer.flush()
+        os.fsync(writer.fileno())
+    return seen == size and digest.hexdigest() == sha256

@@ -23,6 +23,7 @@ from ._closing import ClosesOnExit
 from ._core import ClientCore, public_method
 from ._download import TransferOptions
 from ._effects import Flow
+from .restore import restore_from_local
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -136,6 +137,8 @@ class CheckpointClient(ClosesOnExit, ClientCore):
     verify = _blocking(ClientCore._verify)
     restore_plan = _blocking(ClientCore._restore_plan)
     restore = _blocking(ClientCore._restore)
+    prefetch = _blocking(ClientCore._prefetch)
+    prefetch_jobs = _blocking(ClientCore._prefetch_jobs)
     lineage = _blocking(ClientCore._lineage)
     advice = _blocking(ClientCore._advice)
     flush_journal = _blocking(ClientCore._flush_journal)
@@ -160,6 +163,8 @@ class CheckpointClient(ClosesOnExit, ClientCore):
                         headers={"User-Agent": USER_AGENT},
                     )
                 return _run_blocking(lambda: self._download(download, http))
+            case _effects.CopyLocal(checkpoint, dest, rank, progress):
+                return restore_from_local(checkpoint, dest, rank=rank, progress=progress)
             case _effects.JournalAppended():
                 self._wake.set()
             case _effects.JournalChange(timeout):

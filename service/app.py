@@ -20,6 +20,7 @@ from .memory.routes import router as memory_router
 from .observability.middleware import RequestContext
 from .observability.routes import router as metrics_router
 from .peers.routes import router as peers_router
+from .prefetch.routes import router as prefetch_router
 from .regions.routes import router as regions_router
 from .resources import close_resources, open_resources
 from .retention.routes import router as retention_router
@@ -82,6 +83,7 @@ def create_app(
     app.include_router(advice_router)
     app.include_router(memory_router)
     app.include_router(peers_router)
+    app.include_router(prefetch_router)
     app.include_router(metrics_router)
     app.include_router(ui_router)
     return app

@@ -19,6 +19,7 @@ from .jobs.worker import JobHandler, Worker
 from .peers.push import PeerPushJobs
 from .peers.upkeep import PeerUpkeep
 from .periodic import Periodic
+from .prefetch.jobs import PrefetchJobs
 from .replication.jobs import ReplicationJobs
 from .resources import Resources
 from .retention.at_durable import RetainJobs
@@ -36,6 +37,7 @@ def job_handlers(resources: Resources) -> dict[str, JobHandler]:
         **DeleteJobs(resources).handlers(),
         **RetainJobs(resources).handlers(),
         **PeerPushJobs(resources).handlers(),
+        **PrefetchJobs(resources).handlers(),
     }
     if handlers.keys() != KINDS.keys():
         raise RuntimeError(

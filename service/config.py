@@ -131,7 +131,8 @@ class LocalSettings(BaseModel):
     them (symlinks leading out included) is refused."""
     keep_last: int = Field(2, ge=0)
     """Newest local copies kept per run; older ones are deleted from the SSD
-    once the checkpoint is durable in the regions."""
+    once the checkpoint is durable in the regions. Prefetched copies (`tierckpt
+    prefetch`) count among them; a run's newest prefetched copy always stays."""
     max_files_per_checkpoint: int = Field(100_000, ge=1)
     """Most files one registered checkpoint (shard) may hold."""
     max_path_length: int = Field(1024, ge=16)
@@ -439,6 +440,10 @@ class MemorySettings(BaseModel):
     lease_seconds: float = Field(600.0, ge=1)
     """A reserved segment not registered within this long (its trainer died
     mid-copy) is reclaimed."""
+    persist_nice: int = Field(10, ge=0, le=19)
+    """Niceness of the thread that writes staged segments to T0: when the
+    CPUs are busy, the upload of the same checkpoint (the copy that makes it
+    durable) gets them first; the T0 copy takes what is left. 0: equal shares."""
 
 
 class PeersSettings(BaseModel):

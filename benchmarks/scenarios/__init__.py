@@ -20,6 +20,7 @@ from . import (
     catalog_latest,
     cpu,
     dcp_plugin,
+    dcp_restore,
     dedup,
     large_files,
     memory,
@@ -46,6 +47,7 @@ SCENARIOS: list[ModuleType] = [
     memory,
     dcp_plugin,
     peers,
+    dcp_restore,
 ]
 
 

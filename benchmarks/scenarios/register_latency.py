@@ -50,6 +50,9 @@ from ..context import VOLUME_SIZE_LIMIT_MB, Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
 from ..stats import percentile, ratios, row
 
+# The agent's phases of a registration, as its request log names them.
+PHASES = ("scan", "queued", "gate", "lock", "write", "commit")
+
 NAME = "register_latency"
 TITLE = "Register latency (trainer stall, ms; lower is better)"
 REQUIRES: tuple[str, ...] = ()
@@ -245,6 +248,11 @@ def _server_times(log_path: Path, request_id: str) -> dict[str, list[float]]:
         path = str(entry.get("path", ""))
         if entry.get("method") == "POST" and path == "/v1/checkpoints":
             out["register"].append(float(entry["duration_ms"]))
+            # Where the agent's time went (service/checkpoints/register_timing.py).
+            for phase in PHASES:
+                out.setdefault(f"phase_{phase}", []).append(
+                    float(entry.get(f"register_{phase}_ms", 0.0))
+                )
         elif entry.get("method") == "GET" and path.endswith("/latest"):
             out["latest"].append(float(entry["duration_ms"]))
     return out
@@ -276,6 +284,8 @@ def _timed(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, lis
     server = _server_times(agent.log_path, request_id)
     for kind in list(samples):
         samples[f"server_{kind}"] = server[kind][WARMUP:]
+    for phase in PHASES:
+        samples[f"phase_{phase}"] = server.get(f"phase_{phase}", [])[WARMUP:]
     return samples
 
 
@@ -377,6 +387,24 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                         )
                     )
     for catalog_name, per_mode in results.items():
+        for mode in ("load", "load-inproc"):
+            for phase in PHASES:
+                for metric in ("p50", "p99"):
+                    values = [
+                        figures[metric](s[f"phase_{phase}"])
+                        for s in per_mode[mode]
+                        if s.get(f"phase_{phase}")
+                    ]
+                    if values and max(values) > 0:
+                        rows.append(
+                            row(
+                                f"{catalog_name} register {labels[mode]}, agent's phase: {phase}",
+                                metric,
+                                "ms",
+                                values,
+                            )
+                        )
+    for catalog_name, per_mode in results.items():
         for probe, what in (("fsync", "fdatasync of 4 KiB"), ("wake", "a 1 ms sleep's oversleep")):
             for metric in ("p50", "p99"):
                 values = [figures[metric](s[probe]) for s in per_mode["load"] if s.get(probe)]
@@ -408,6 +436,11 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "late a 1 ms sleep wakes up. A register p99 below the fsync p99 is out of reach.",
         "`agent's own`: the median over rounds of the agent's request-log duration for the "
         "same requests (the rest of the client figure is HTTP and the client's own scan).",
+        "agent's phases (its request log, each phase's own percentile): scan (the files' "
+        "listing), queued (behind an earlier batch of the group commit), gate (SQLite: the "
+        "in-process write gate), lock (SQLite: the database's write lock, held by a background "
+        "transaction or the worker process; PostgreSQL: a pooled connection), write (the "
+        "statements), commit (the catalog's fsync).",
         f"load thread: {json.dumps(load_totals)}",
     ]
     return rows, notes, {"count": count, "rounds": results, "load": load_totals}

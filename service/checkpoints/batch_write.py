@@ -39,6 +39,7 @@ from ..models import (
 from ..resources import Resources
 from ..storage import layout
 from .presenter import Listing, NewCheckpoint, NewShard, checkpoint_out
+from .register_timing import BatchTiming
 from .repository import ReplicaRow
 from .scan import ScannedShard
 from .schemas import CheckpointOut, RegisterRequest
@@ -155,6 +156,8 @@ class Outcome:
     # Built from what was written when the whole checkpoint is from this
     # batch; None when the caller must read it back (it existed before).
     record: CheckpointOut | None
+    # Where the registration's time in the writer went (batching.py).
+    timing: BatchTiming | None = None
 
 
 class Raced(Exception):

@@ -32,7 +32,9 @@ Isolation between the registrations of a batch:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -43,6 +45,7 @@ from ..observability import metrics
 from ..resources import Resources
 from ..write_gate import gated
 from .batch_write import Outcome, Raced, Registration, write_batch
+from .register_timing import BatchTiming, Phases
 
 log = logging.getLogger("tierckpt.register")
 
@@ -64,7 +67,8 @@ class RegistrationBatcher:
         self.r = resources
         self.engine: AsyncEngine = resources.engine
         self.max_batch = max_batch
-        self._pending: list[tuple[Registration, asyncio.Future[Outcome]]] = []
+        # (registration, its answer, when it was submitted)
+        self._pending: list[tuple[Registration, asyncio.Future[Outcome], float]] = []
         self._writer: asyncio.Task[None] | None = None
         self._run_ids: dict[str, int] = {}
         # Eager lock: the worker may run in another process (worker_process.py),
@@ -86,7 +90,7 @@ class RegistrationBatcher:
         """Queue one registration; returns once its batch is committed."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Outcome] = loop.create_future()
-        self._pending.append((registration, future))
+        self._pending.append((registration, future, time.perf_counter()))
         writer = self._writer
         if writer is None or writer.done() or writer.get_loop() is not loop:
             # The writer exists only while there is work: nothing to stop at
@@ -99,36 +103,41 @@ class RegistrationBatcher:
             batch = self._pending[: self.max_batch]
             del self._pending[: self.max_batch]
             # A request cancelled while waiting (client gone) is not written.
-            batch = [(reg, fut) for reg, fut in batch if not fut.done()]
+            batch = [(reg, fut, at) for reg, fut, at in batch if not fut.done()]
             if not batch:
                 continue
+            started = time.perf_counter()
+            phases = Phases()
             try:
-                results = await self._write([reg for reg, _ in batch])
+                results = await self._write([reg for reg, _, _ in batch], phases)
             except Exception as exc:
-                for _reg, fut in batch:
+                for _reg, fut, _at in batch:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
             except BaseException:
                 # Cancelled (the loop is shutting down): nobody is answered.
-                for _reg, fut in [*batch, *self._pending]:
+                for _reg, fut, *_ in [*batch, *self._pending]:
                     fut.cancel()
                 self._pending.clear()
                 raise
-            for (_reg, fut), result in zip(batch, results, strict=True):
+            for (_reg, fut, submitted), result in zip(batch, results, strict=True):
                 if fut.done():
                     continue
                 if isinstance(result, BaseException):
                     fut.set_exception(result)
                 else:
-                    fut.set_result(result)
+                    timing = BatchTiming.of(phases, queued=started - submitted, size=len(batch))
+                    fut.set_result(dataclasses.replace(result, timing=timing))
 
-    async def _write(self, items: list[Registration]) -> list[Outcome | BaseException]:
+    async def _write(
+        self, items: list[Registration], phases: Phases
+    ) -> list[Outcome | BaseException]:
         """The whole batch in one transaction; if the catalog refuses it, one by one."""
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(items))
         try:
-            return await self._write_retrying(items)
+            return await self._write_retrying(items, phases)
         except Exception as exc:
             self._run_ids.clear()
             if is_catalog_outage(exc) or len(items) == 1:
@@ -141,7 +150,7 @@ class RegistrationBatcher:
         results: list[Outcome | BaseException] = []
         for number, item in enumerate(items):
             try:
-                results.extend(await self._write_retrying([item]))
+                results.extend(await self._write_retrying([item], phases))
             except Exception as exc:
                 self._run_ids.clear()
                 if is_catalog_outage(exc):
@@ -151,10 +160,12 @@ class RegistrationBatcher:
                 results.append(exc)
         return results
 
-    async def _write_retrying(self, items: list[Registration]) -> list[Outcome | BaseException]:
+    async def _write_retrying(
+        self, items: list[Registration], phases: Phases
+    ) -> list[Outcome | BaseException]:
         for attempt in range(MAX_RACES + 1):
             try:
-                results, new_runs = await self._transaction(items)
+                results, new_runs = await self._transaction(items, phases)
             except Raced:
                 self._run_ids.clear()
                 if attempt == MAX_RACES:
@@ -176,7 +187,7 @@ class RegistrationBatcher:
         raise AssertionError("unreachable")
 
     async def _transaction(
-        self, items: list[Registration]
+        self, items: list[Registration], phases: Phases
     ) -> tuple[list[Outcome | BaseException], dict[str, int]]:
         """One transaction, committed on return.
 
@@ -188,13 +199,34 @@ class RegistrationBatcher:
         """
         if self._sync_engine is not None:
             # Ahead of every background transaction waiting (write_gate.py).
+            waited = time.perf_counter()
             async with gated(self.r.sessionmaker, urgent=True):
-                return await asyncio.to_thread(self._sync_transaction, self._sync_engine, items)
-        async with self.engine.connect() as conn, conn.begin():
-            return await conn.run_sync(write_batch, items, self.r, self._run_ids)
+                phases.add("gate", time.perf_counter() - waited)
+                return await asyncio.to_thread(
+                    self._sync_transaction, self._sync_engine, items, phases
+                )
+        began = time.perf_counter()
+        async with self.engine.connect() as conn:
+            phases.add("lock", time.perf_counter() - began)
+            async with conn.begin():
+                wrote = time.perf_counter()
+                out = await conn.run_sync(write_batch, items, self.r, self._run_ids)
+                phases.add("write", time.perf_counter() - wrote)
+                committing = time.perf_counter()
+            phases.add("commit", time.perf_counter() - committing)
+            return out
 
     def _sync_transaction(
-        self, engine: Engine, items: list[Registration]
+        self, engine: Engine, items: list[Registration], phases: Phases
     ) -> tuple[list[Outcome | BaseException], dict[str, int]]:
-        with engine.begin() as conn:
-            return write_batch(conn, items, self.r, self._run_ids)
+        began = time.perf_counter()
+        with engine.connect() as conn:
+            # BEGIN IMMEDIATE (db._on_begin): waits for SQLite's write lock.
+            with conn.begin():
+                wrote = time.perf_counter()
+                phases.add("lock", wrote - began)
+                out = write_batch(conn, items, self.r, self._run_ids)
+                committing = time.perf_counter()
+                phases.add("write", committing - wrote)
+            phases.add("commit", time.perf_counter() - committing)
+            return out

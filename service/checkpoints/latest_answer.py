@@ -13,9 +13,7 @@ and equals the checkpoint's detail view).
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
@@ -23,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import BadInput, NotFound
+from ..prefetch import copies
 from ..resources import Resources
 from . import repository as repo
 from .presenter import Listing, latest_document, to_json
@@ -60,7 +59,7 @@ async def latest_json(
         raise NotFound(
             f"run {run!r} has no valid checkpoint{where} yet", code="no_valid_checkpoint"
         )
-    local = await _local_copy(resources, rows, node)
+    local = await _local_copy(resources, run, rows, node)
     listing = Listing(
         shards=rows.shards,
         replicas=rows.replicas,
@@ -108,31 +107,33 @@ async def _read_with_retry(
 
 
 async def _local_copy(
-    resources: Resources, rows: LatestRows, node: str | None
+    resources: Resources, run: str, rows: LatestRows, node: str | None
 ) -> dict[str, Any] | None:
-    """The T0 copies of the checkpoint's ranks on the asking node, only when
-    this agent is that node and can check their files are still exactly what
-    was uploaded (size and mtime): ``ranks`` maps each intact rank to its
-    directory; ``path`` is rank 0's (None when rank 0 is not intact here)."""
+    """This node's intact T0 copies of the checkpoint's ranks, only when this
+    agent is that node and can check their files are still exactly what was
+    verified: its own (the directories the ranks were registered from; size
+    and mtime as uploaded), else a prefetched copy's (prefetch/copies.py).
+    ``ranks`` maps each intact rank to its directory; ``path`` is rank 0's
+    (None when rank 0 is not intact here)."""
     if node is None or node != resources.settings.server.node:
         return None
-    mine = {shard.rank: shard.path for shard in rows.shards if shard.node == node}
-    if not mine:
-        return None
+    settings = resources.settings
+    checkpoint = rows.checkpoint
 
     def intact_ranks() -> dict[int, str]:
-        broken: set[int] = set()
-        for f in rows.files:
-            if f.rank not in mine or f.rank in broken:
-                continue
-            try:
-                info = os.stat(Path(mine[f.rank]) / f.file_path)
-            except OSError:
-                broken.add(f.rank)
-                continue
-            if info.st_size != f.file_size or info.st_mtime_ns != f.file_mtime_ns:
-                broken.add(f.rank)
-        return {rank: path for rank, path in sorted(mine.items()) if rank not in broken}
+        ranks = copies.own_intact_ranks(
+            node,
+            [(s.rank, s.node, s.path) for s in rows.shards],
+            [(f.rank, f.file_path, f.file_size, f.file_mtime_ns) for f in rows.files],
+        )
+        if len(ranks) < checkpoint.world_size:
+            prefetched = copies.intact_ranks(
+                copies.step_dir(settings, run, checkpoint.step),
+                checkpoint.id,
+                [(f.rank, f.file_path, f.file_size, f.file_sha256) for f in rows.files],
+            )
+            ranks = {**prefetched, **ranks}
+        return dict(sorted(ranks.items()))
 
     ranks = await asyncio.to_thread(intact_ranks)
     if not ranks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from urllib.parse import quote
 
@@ -25,6 +26,7 @@ from ..resources import Resources
 from ..storage import layout
 from ..storage.chunks import decode as decode_chunks
 from ..storage.manifest import shard_fingerprint
+from . import register_timing
 from . import repository as repo
 from .batch_write import Outcome, Registration
 from .batching import RegistrationBatcher
@@ -94,8 +96,12 @@ async def submit_registration(
 ) -> Outcome:
     """Scan and validate one registration, then hand it to the agent's group
     commit; returns once it is committed (or refused)."""
+    scanning = time.perf_counter()
     scanned = await scan_checkpoint(resources, request.path)
-    return await submit_scanned(registrations, request, scanned)
+    scan_seconds = time.perf_counter() - scanning
+    outcome = await submit_scanned(registrations, request, scanned)
+    register_timing.report(scan_seconds, outcome.timing)
+    return outcome
 
 
 async def submit_scanned(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints import replicas
 from ..config import WorkerSettings
-from ..models import Checkpoint, CheckpointState, JobKind, Shard, priority_of
+from ..models import PRIORITY, Checkpoint, CheckpointState, Job, JobKind, Shard, priority_of
 from . import queue
 
 # Effectively forever: with backoff capped at [worker].backoff_max, a region
@@ -147,6 +147,9 @@ KINDS: dict[str, Kind] = {
         # Bound to the shard's node (it reads that node's T0); retried while no
         # peer is reachable, then given up: the regions remain the safe copy.
         Kind(JobKind.PEER_PUSH, NoPayload, RetryPolicy(PEER_PUSH_MAX_ATTEMPTS)),
+        # Bound to a node (it writes that node's T0); a region outage or a
+        # bad copy only delays it, within [worker] max_attempts.
+        Kind(JobKind.PREFETCH, NoPayload, RetryPolicy()),
     )
 }
 
@@ -343,6 +346,42 @@ async def enqueue_peer_push(
     return await queue.enqueue_row(
         session, peer_push_row(checkpoint_id, shard_id=shard_id, node=node, priority=priority)
     )
+
+
+async def enqueue_prefetch(
+    session: AsyncSession, checkpoint_id: int, node: str, *, worker: WorkerSettings
+) -> int | None:
+    """Queue a prefetch of the checkpoint into ``node``'s T0, urgent (a
+    restart waits for it); the id of the job, or of the one already active
+    for that checkpoint and node (one at a time per node, not per region)."""
+    row = queue.job_values(
+        JobKind.PREFETCH,
+        checkpoint_id,
+        node=node,
+        priority=PRIORITY["urgent"],
+        max_attempts=KINDS[JobKind.PREFETCH].retry.attempts(worker),
+    )
+    row["dedupe_key"] = prefetch_dedupe_key(checkpoint_id, node)
+    await queue.enqueue_row(session, row)
+    return await session.scalar(select(Job.id).where(Job.dedupe_key == row["dedupe_key"]))
+
+
+# A prefetch serves an imminent restart: one that no agent of its node has
+# claimed after this long (a node name that is no agent's, an agent that is
+# gone) is failed by the retention pass instead of waiting for ever.
+PREFETCH_UNCLAIMED_SECONDS = 3600.0
+
+
+async def expire_prefetches(session: AsyncSession, now: datetime) -> int:
+    return await queue.expire_unclaimed(
+        session, JobKind.PREFETCH, now - timedelta(seconds=PREFETCH_UNCLAIMED_SECONDS)
+    )
+
+
+def prefetch_dedupe_key(checkpoint_id: int, node: str) -> str:
+    # The node is the job's target, so it belongs in the key (255 characters
+    # at most: node names are 128 at most, see prefetch/schemas.py).
+    return f"{JobKind.PREFETCH}:{checkpoint_id}:{node}"
 
 
 # -- moves between kinds that enqueue -------------------------------------------

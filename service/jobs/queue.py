@@ -126,9 +126,11 @@ def node_work(node: str) -> ColumnElement[bool]:
     """The jobs a draining agent must finish before its node goes: those
     bound to the node (they read its SSD: nobody else can run them), and the
     commits of checkpoints with a shard on it (a checkpoint is durable only
-    once its manifest is written)."""
+    once its manifest is written). Not its prefetches: they only serve a
+    restart on the node that is going away."""
     return or_(
-        Job.node == node,
+        # A prefetch is not: it only serves a restart on this very node.
+        and_(Job.node == node, Job.kind != JobKind.PREFETCH),
         and_(
             Job.node.is_(None),
             Job.kind == JobKind.COMMIT,
@@ -312,6 +314,32 @@ async def supersede(session: AsyncSession, job_id: int, reason: str) -> bool:
         .execution_options(synchronize_session=False)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+async def expire_unclaimed(session: AsyncSession, kind: str, older_than: datetime) -> int:
+    """Fail the jobs of ``kind`` queued before ``older_than`` that no worker
+    ever claimed (their node's agent never came); how many."""
+    result = await session.execute(
+        update(Job)
+        .where(
+            Job.kind == kind,
+            Job.state == JobState.QUEUED,
+            Job.attempts == 0,
+            Job.created_at < older_than,
+        )
+        .values(
+            state=JobState.FAILED,
+            dedupe_key=None,
+            last_error=(
+                "no agent of this node claimed it in time: is the node name its agent's "
+                "[server] node, and is that agent running?"
+            ),
+            finished_at=utcnow(),
+            updated_at=utcnow(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]
 
 
 # -- moves between kinds ------------------------------------------------------

@@ -12,6 +12,7 @@ a single-rank run should resume from it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -23,6 +24,7 @@ from ..checkpoints.service import CheckpointService
 from ..errors import BadInput, NotFound
 from ..models import Checkpoint, CheckpointState, ReplicaState, Run, Shard
 from ..peers.view import peer_view
+from ..prefetch import copies
 from ..resources import Resources
 from .service import MemoryTier
 
@@ -56,6 +58,7 @@ async def detail(
     copies += await _t0_copies(service, run, step)
     peers = await peer_view(service.session, run, step, service.settings.peers.copies)
     copies += peers.copies
+    copies += await _prefetched_copies(service, out)
     copies += [
         {
             "tier": "region",
@@ -88,6 +91,32 @@ async def _t0_copies(service: CheckpointService, run: str, step: int) -> list[di
     return [
         {"tier": "t0", "node": s.node, "rank": s.rank, "path": s.path, "region": None, "uri": None}
         for s in rows.scalars()
+    ]
+
+
+async def _prefetched_copies(
+    service: CheckpointService, out: CheckpointOut
+) -> list[dict[str, Any]]:
+    """This agent's node's intact prefetched copy of the checkpoint, rank by
+    rank (prefetch/copies.py); other nodes' are theirs to vouch for."""
+    checkpoint_id = await service.session.scalar(
+        select(Checkpoint.id)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Run.name == out.run, Checkpoint.step == out.step)
+    )
+    if checkpoint_id is None or not out.files:
+        return []
+    settings = service.settings
+    ranks = await asyncio.to_thread(
+        copies.intact_ranks,
+        copies.step_dir(settings, out.run, out.step),
+        checkpoint_id,
+        [(f.rank, f.path, f.size, f.sha256) for f in out.files],
+    )
+    node = settings.server.node
+    return [
+        {"tier": "t0", "node": node, "rank": r, "path": p, "region": None, "uri": None}
+        for r, p in ranks.items()
     ]
 
 

@@ -89,7 +89,11 @@ class MemoryTier:
             arena_directory(settings), settings.memory.bytes, settings.memory.lease_seconds
         )
         self.persister = SegmentPersister(
-            resources, registrations, self.arena, settings.memory.keep_newest
+            resources,
+            registrations,
+            self.arena,
+            settings.memory.keep_newest,
+            settings.memory.persist_nice,
         )
 
     def open(self) -> None:

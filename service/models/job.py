@@ -24,6 +24,7 @@ class JobKind(enum.StrEnum):
     RETAIN = "retain"  # apply a run's retention once a checkpoint of it is durable; per node
     # Copy one shard's T0 files to peer agents ([peers] copies); bound to the shard's node.
     PEER_PUSH = "peer_push"
+    PREFETCH = "prefetch"  # bring a valid checkpoint into a node's T0 before a restart; per node
 
 
 class JobState(enum.StrEnum):

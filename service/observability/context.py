@@ -24,6 +24,18 @@ if TYPE_CHECKING:
     from ..models import Job
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("tierckpt_request_id", default=None)
+# Facts a request's handler learns on the way (where a registration's time
+# went), logged with the request's line by the middleware.
+REQUEST_FACTS: ContextVar[dict[str, Any] | None] = ContextVar(
+    "tierckpt_request_facts", default=None
+)
+
+
+def note_request(**facts: Any) -> None:
+    """Add ``facts`` to the current request's log line (nothing outside a request)."""
+    found = REQUEST_FACTS.get()
+    if found is not None:
+        found.update(facts)
 
 
 @dataclass

@@ -118,6 +118,16 @@ PEER_CHECKS = Counter(
     ["where", "result"],
     registry=REGISTRY,
 )
+REGISTER_PHASE_SECONDS = Histogram(
+    "tierckpt_register_phase_seconds",
+    "Where registrations spend their time in the agent: scan (listing the "
+    "files), queued (behind an earlier batch of the group commit), gate and "
+    "lock (waiting for the catalog: SQLite's write lock, a PostgreSQL "
+    "connection), write (the statements), commit (the catalog's fsync).",
+    ["phase"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+    registry=REGISTRY,
+)
 HTTP_REQUESTS = Counter(
     "tierckpt_http_requests",
     "HTTP requests answered, by route template and status code.",
@@ -222,6 +232,10 @@ def init_regions(regions: list[str]) -> None:
 
 def observe_registration(priority: str) -> None:
     REGISTRATIONS.labels(priority).inc()
+
+
+def observe_register_phase(phase: str, seconds: float) -> None:
+    REGISTER_PHASE_SECONDS.labels(phase).observe(seconds)
 
 
 def observe_upload(region: str | None, nbytes: int, *, repair: bool = False) -> None:

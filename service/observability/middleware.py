@@ -18,11 +18,12 @@ import logging
 import os
 import re
 import time
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import metrics
-from .context import REQUEST_ID
+from .context import REQUEST_FACTS, REQUEST_ID
 
 log = logging.getLogger("tierckpt.http")
 
@@ -64,6 +65,8 @@ class RequestContext:
             incoming.decode() if incoming and _SAFE_ID.match(incoming) else new_request_id()
         )
         token = REQUEST_ID.set(request_id)
+        facts: dict[str, Any] = {}
+        facts_token = REQUEST_FACTS.set(facts)
         started = time.monotonic()
         status = 500
 
@@ -91,10 +94,12 @@ class RequestContext:
                 status,
                 seconds * 1000,
                 extra={
+                    **facts,
                     "method": method,
                     "path": scope.get("path", ""),
                     "status": status,
                     "duration_ms": round(seconds * 1000, 2),
                 },
             )
+            REQUEST_FACTS.reset(facts_token)
             REQUEST_ID.reset(token)

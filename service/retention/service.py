@@ -21,6 +21,7 @@ from ..db import reading, transaction
 from ..errors import NotFound
 from ..jobs import kinds
 from ..models import Checkpoint, CheckpointState, File, Run, Shard, utcnow
+from ..prefetch import copies as prefetch_copies
 from ..resources import Resources
 from .policies import Candidate, Plan, build_policy, plan_retention
 from .schemas import RetentionApplied, RetentionOut
@@ -157,29 +158,35 @@ def _evict_files(
 async def evict_local_copies(resources: Resources, run_id: int | None = None) -> int:
     """T0: on this node, remove local copies that are durable elsewhere (or
     deleted) beyond ``[local].keep_last`` newest per run (every run, or
-    ``run_id``'s)."""
+    ``run_id``'s). Prefetched copies (prefetch/copies.py) count among them;
+    the newest one of a run stays even at ``keep_last = 0``: someone asked for it."""
     settings = resources.settings
     keep = settings.local.keep_last
     node = settings.server.node
     query = (
-        select(Shard, Checkpoint.run_id, Checkpoint.step, Checkpoint.state)
+        select(Shard, Run.name, Checkpoint.step, Checkpoint.state)
         .join(Checkpoint, Checkpoint.id == Shard.checkpoint_id)
+        .join(Run, Run.id == Checkpoint.run_id)
         .where(Shard.node == node, Shard.evicted_at.is_(None))
         .order_by(Checkpoint.run_id, Checkpoint.step.desc())
     )
     if run_id is not None:
         query = query.where(Checkpoint.run_id == run_id)
+    prefetched = await asyncio.to_thread(prefetch_copies.held, settings)
     async with reading(resources.sessionmaker)() as session:
         rows = (await session.execute(query)).all()
+        if run_id is not None:
+            name = await session.scalar(select(Run.name).where(Run.id == run_id))
+            prefetched = {name: prefetched[name]} if name in prefetched else {}
         # keep_last counts checkpoints (steps), not shards: the ranks of one
         # checkpoint saved on this node stay or go together.
-        steps_seen: dict[int, list[int]] = {}
+        steps: dict[str, set[int]] = {run: set(held) for run, held in prefetched.items()}
+        for _shard, run, step, _state in rows:
+            steps.setdefault(run, set()).add(step)
+        kept = {run: set(sorted(held, reverse=True)[:keep]) for run, held in steps.items()}
         victims: list[tuple[Shard, list[str]]] = []
-        for shard, run_id, step, state in rows:
-            seen = steps_seen.setdefault(run_id, [])
-            if step not in seen:
-                seen.append(step)
-            if len(seen) <= keep:
+        for shard, run, step, state in rows:
+            if step in kept[run]:
                 continue
             if state not in (
                 CheckpointState.DURABLE,
@@ -203,6 +210,15 @@ async def evict_local_copies(resources: Resources, run_id: int | None = None) ->
                 update(Shard).where(Shard.id == shard.id).values(evicted_at=utcnow())
             )
         evicted += 1
+    for run, held in prefetched.items():
+        # A prefetched copy is never the only one (it was fetched from a region).
+        for step in sorted(held)[:-1]:
+            if step in kept[run]:
+                continue
+            try:
+                evicted += await asyncio.to_thread(prefetch_copies.remove, settings, run, step)
+            except (OSError, ValueError) as exc:
+                log.warning("T0 eviction of the prefetched %s:%d failed: %s", run, step, exc)
     return evicted
 
 
@@ -210,9 +226,15 @@ async def apply_all(resources: Resources) -> dict[str, int]:
     """One retention pass over every run (the sweeper's tick)."""
     async with transaction(resources.sessionmaker) as session:
         expired = await expire_incomplete(session, resources)
+        unclaimed = await kinds.expire_prefetches(session, utcnow())
     deleted = await queue_deletions(resources)
     evicted = await evict_local_copies(resources)
-    return {"expired": expired, "delete_queued": deleted, "evicted": evicted}
+    return {
+        "expired": expired,
+        "delete_queued": deleted,
+        "evicted": evicted,
+        "prefetch_expired": unclaimed,
+    }
 
 
 async def queue_deletions(resources: Resources, run_id: int | None = None) -> int:

@@ -228,6 +228,8 @@ def test_requeued_job_resumes_bit_identical(slurm: Slurm, agent, tmp_path: Path)
         "TIERCKPT": str(Path(sys.executable).parent / "tierckpt"),
         "EXAMPLES": str(REPO / "examples"),
         "TRAIN_ARGS": " ".join(train_args),
+        # Slurm calls the node "localhost"; its agent is NODE.
+        "TIERCKPT_NODES": NODE,
     }
     env = {**slurm.env, **exports}
     submitted = subprocess.run(

@@ -82,6 +82,9 @@ ROUTES = [
     Route("POST", "/v1/runs/{run}/retention/apply", ADMIN_ONLY),
     Route("GET", "/v1/regions/{region}/objects/{key}", READ),
     Route("GET", "/v1/runs/{run}/advice", READ, params={"mtbf_hours": 24}),
+    # A prefetch of a step that does not exist: 404 once allowed.
+    Route("POST", "/v1/runs/{run}/prefetch", WRITE, {"nodes": ["node-x"], "step": MISSING}),
+    Route("GET", "/v1/runs/{run}/prefetch", READ),
     # The memory tier: the run is in the body; an allowed call ends in a 400
     # (a path that is refused) or a 404 (no such segment).
     Route(

@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import logging
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,3 +77,33 @@ async def test_json_lines_carry_request_id_and_job_context(
     assert retry["run"] == "logs" and retry["step"] == 7 and retry["region"] == "west"
     assert isinstance(retry["job_id"], int) and retry["attempt"] >= 1
     assert "request_id" not in retry  # background work belongs to no request
+
+
+async def test_register_line_says_where_the_time_went(
+    catalog_url: str, tmp_path: Path, json_log: io.StringIO
+) -> None:
+    async with running_agent(catalog_url, tmp_path) as agent:
+        ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 1024})
+        answer = await agent.http.post(
+            "/v1/checkpoints",
+            json={"run": "phases", "step": 1, "path": str(ckpt)},
+            headers={"X-Request-ID": "req-phases-1"},
+        )
+        assert answer.status_code == 202
+        exposed = (await agent.http.get("/metrics")).text
+
+    lines = [r for r in records(json_log) if r["logger"] == "tierckpt.http"]
+    line = next(r for r in lines if r.get("request_id") == "req-phases-1")
+    phases = {k: v for k, v in line.items() if k.startswith("register_") and k.endswith("_ms")}
+    expected = {"scan", "queued", "lock", "write", "commit"}
+    if catalog_url.startswith("sqlite"):
+        expected.add("gate")  # the in-process write gate, before SQLite's lock
+    assert {k.removeprefix("register_").removesuffix("_ms") for k in phases} == expected
+    assert all(v >= 0 for v in phases.values()) and line["register_batch"] == 1
+    # Inside the request: the phases cannot add up to more than the request took.
+    assert sum(phases.values()) <= line["duration_ms"]
+    for phase in expected:  # the registry is the process's: earlier tests count too
+        counted = re.search(
+            rf'tierckpt_register_phase_seconds_count{{phase="{phase}"}} (\S+)', exposed
+        )
+        assert counted is not None and float(counted.group(1)) >= 1

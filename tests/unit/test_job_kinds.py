@@ -36,6 +36,7 @@ def test_every_kind_is_registered_and_nothing_else() -> None:
         "delete",
         "retain",
         "peer_push",
+        "prefetch",
     }
     assert all(KINDS[name].name == name for name in KINDS)
 
@@ -51,6 +52,7 @@ def test_every_kind_is_registered_and_nothing_else() -> None:
         ("verify", NoPayload()),
         ("retain", NoPayload()),
         ("peer_push", NoPayload()),
+        ("prefetch", NoPayload()),
         ("delete", DeletePayload("retention: keep_last", force=False)),
         ("delete", DeletePayload("deleted by alice", force=True)),
     ],

@@ -27,7 +27,7 @@ BASE = ROOT / "deploy" / "kubernetes"
 KUSTOMIZATIONS = [BASE, BASE / "postgres"]
 K8S_VERSION = "1.30"
 # Client-side variables (CheckpointClient / CLI), not service settings.
-CLIENT_ENV = {"TIERCKPT_URL", "TIERCKPT_TOKEN"}
+CLIENT_ENV = {"TIERCKPT_URL", "TIERCKPT_TOKEN", "TIERCKPT_NODE"}
 
 
 def manifest_files() -> list[Path]:
@@ -187,14 +187,27 @@ def test_every_tierckpt_env_var_maps_to_a_setting(resources):
         assert key in model.model_fields, f"{name}: no key {section}.{key}"
 
 
-def test_training_job_restores_through_the_node_agent(resources, settings):
+def node_name_env(container: dict[str, Any], name: str) -> bool:
+    """Whether ``container`` sets ``name`` to the pod's node name (downward API)."""
+    return any(
+        e["name"] == name and e["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        for e in container.get("env", [])
+        if "valueFrom" in e
+    )
+
+
+def test_training_job_prefetches_through_the_node_agent(resources, settings):
     job = find(resources, "Job", "llama-train")
     pod = job["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["args"][0] == "restore"
-    assert {"--latest", "--if-any"} <= set(init["args"])
-    dest = init["args"][2]
-    assert any(dest.startswith(str(root) + "/") for root in settings.local.roots)
+    assert init["args"][:2] == ["prefetch", "llama"]
+    assert {"--if-any", "--wait", "--node=$(TIERCKPT_NODE)"} <= set(init["args"])
+    # The node prefetched to and the node the trainer asks `latest` for are
+    # the name the node's agent has ([server] node, daemonset.yaml).
+    agent = find(resources, "DaemonSet", "tierckpt-agent")["spec"]["template"]["spec"]
+    assert node_name_env(agent["containers"][0], "TIERCKPT_SERVER__NODE")
+    (train,) = pod["containers"]
+    assert node_name_env(init, "TIERCKPT_NODE") and node_name_env(train, "TIERCKPT_NODE")
     # The Job's token is one the agents accept, and its URL is the agent Service.
     client = find(resources, "Secret", init["envFrom"][0]["secretRef"]["name"])["stringData"]
     digest = hashlib.sha256(client["TIERCKPT_TOKEN"].encode()).hexdigest()
@@ -223,7 +236,7 @@ def test_training_job_retries_disruptions_and_fails_on_real_errors(resources):
         for r in rules
         if r["action"] == "FailJob"
     }
-    assert set(fail) == {"restore", "train"}
+    assert set(fail) == {"prefetch", "train"}
     for codes in fail.values():
         assert codes["operator"] == "In" and 2 in codes["values"]
         assert 3 not in codes["values"], "an unreachable agent is worth a retry"
