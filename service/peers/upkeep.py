@@ -24,6 +24,7 @@ import asyncio
 import logging
 import shutil
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import timedelta
 
 from sqlalchemy import select, update
@@ -117,20 +118,16 @@ class PeerUpkeep:
 
     async def evict(self) -> int:
         node = self.settings.server.node
-        keep = self.settings.peers.keep_last
         async with reading(self.r.sessionmaker)() as session:
             rows = await held_here(session, node)
-        steps: dict[str, set[int]] = defaultdict(set)
-        for _copy, _shard_node, _path, _sstate, _cid, step, state, run in rows:
-            if state not in GONE:
-                steps[run].add(step)
-        newest = {run: set(sorted(found)[-keep:]) for run, found in steps.items()}
+        held = [
+            Held(
+                copy.id, copy.path, run, step, state, shard_node == node and shard_path == copy.path
+            )
+            for copy, shard_node, shard_path, _sstate, _cid, step, state, run in rows
+        ]
         evicted = 0
-        for copy, shard_node, shard_path, _sstate, _cid, step, state, run in rows:
-            if shard_node == node and shard_path == copy.path:
-                continue  # taken over: the shard's T0 copy now
-            if state not in GONE and (step in newest[run] or state not in SAFE_ELSEWHERE):
-                continue
+        for copy in to_evict(held, self.settings.peers.keep_last):
             await asyncio.to_thread(shutil.rmtree, copy.path, True)
             async with transaction(self.r.sessionmaker) as session:
                 await session.execute(
@@ -140,3 +137,36 @@ class PeerUpkeep:
                 )
             evicted += 1
         return evicted
+
+
+@dataclass(frozen=True)
+class Held:
+    """A committed copy on this node, as retention sees it."""
+
+    id: int
+    path: str
+    run: str
+    step: int
+    checkpoint_state: str
+    # Taken over: the shard's own T0 copy now, T0 retention's to evict.
+    is_shard_t0: bool = False
+
+
+def to_evict(held: list[Held], keep_last: int) -> list[Held]:
+    """The copies beyond the newest ``keep_last`` checkpoints per run, but
+    never one of a checkpoint not yet durable (it may be the only copy left
+    of a lost node's checkpoint); every copy of a failed or deleted one."""
+    steps: dict[str, set[int]] = defaultdict(set)
+    for copy in held:
+        if copy.checkpoint_state not in GONE:
+            steps[copy.run].add(copy.step)
+    newest = {run: set(sorted(found)[-keep_last:]) for run, found in steps.items()}
+    chosen = []
+    for copy in held:
+        if copy.is_shard_t0:
+            continue
+        if copy.checkpoint_state in GONE:
+            chosen.append(copy)
+        elif copy.step not in newest[copy.run] and copy.checkpoint_state in SAFE_ELSEWHERE:
+            chosen.append(copy)
+    return chosen

@@ -11,6 +11,7 @@ import pytest
 from tierckpt.service.errors import BadInput
 from tierckpt.service.peers import layout
 from tierckpt.service.peers.state import by_node, peer_safe
+from tierckpt.service.peers.upkeep import Held, to_evict
 
 T1 = datetime(2026, 11, 24, 8, 0)
 T2 = datetime(2026, 11, 24, 9, 0)
@@ -69,3 +70,17 @@ def test_copies_live_under_the_first_t0_root(tmp_path: Path) -> None:
     assert final == tmp_path / "ssd" / ".peers" / "run" / "step-7" / "rank-1"
     assert layout.partial_dir(final).name == ".rank-1.partial"
     assert layout.confined(final, "sub/w.bin") == final / "sub" / "w.bin"
+
+
+def test_peer_retention_keeps_the_newest_and_every_copy_not_yet_durable() -> None:
+    held = [
+        Held(1, "/p/1", "r", 1, "durable"),
+        Held(2, "/p/2", "r", 2, "uploading"),  # older, not durable: kept
+        Held(3, "/p/3", "r", 3, "replicated"),
+        Held(4, "/p/4", "r", 4, "durable"),
+        Held(5, "/p/5", "r", 5, "deleted"),  # gone: evicted even if newest
+        Held(6, "/p/6", "other", 1, "durable"),  # its run's newest
+        Held(7, "/p/7", "r", 0, "durable", is_shard_t0=True),  # T0 retention's
+    ]
+    assert [c.id for c in to_evict(held, keep_last=2)] == [1, 5]
+    assert [c.id for c in to_evict(held, keep_last=1)] == [1, 3, 5]
