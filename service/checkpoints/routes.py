@@ -130,7 +130,8 @@ async def latest_checkpoint(
 async def peer_safe_latest(service: CheckpointServiceDep, run: str) -> dict[str, Any] | None:
     """The newest peer-safe checkpoint newer than the newest durable, as a
     LatestOut document (no region location yet, no T0 copy asked for)."""
-    found = await newest_peer_safe(service.session, run, service.settings.peers.copies)
+    peers = service.settings.peers
+    found = await newest_peer_safe(service.session, run, peers.copies, peers.lease_seconds)
     if found is None:
         return None
     out = await service.describe(run, found, with_files=False)

@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..models import VALID_STATES, Checkpoint, CheckpointState, Run, Shard
+from . import agents
 from .repository import copies_of
 from .state import peer_safe
 
@@ -24,7 +25,9 @@ from .state import peer_safe
 CANDIDATES = 16
 
 
-async def newest_peer_safe(session: AsyncSession, run: str, needed: int) -> Checkpoint | None:
+async def newest_peer_safe(
+    session: AsyncSession, run: str, needed: int, lease_seconds: float
+) -> Checkpoint | None:
     if needed <= 0:
         return None
     run_id = await session.scalar(select(Run.id).where(Run.name == run))
@@ -49,7 +52,10 @@ async def newest_peer_safe(session: AsyncSession, run: str, needed: int) -> Chec
     )
     if durable_step is not None:
         query = query.where(Checkpoint.step > durable_step)
-    for checkpoint in list(await session.scalars(query)):
+    candidates = list(await session.scalars(query))
+    # A restart reads from live agents only: a dead peer's copy does not count.
+    live = await agents.live_agents(session, lease_seconds)
+    for checkpoint in candidates:
         shards = {
             shard_id: node
             for shard_id, node in await session.execute(
@@ -57,6 +63,6 @@ async def newest_peer_safe(session: AsyncSession, run: str, needed: int) -> Chec
             )
         }
         copies = await copies_of(session, [checkpoint.id])
-        if peer_safe(checkpoint.world_size, shards, copies, needed):
+        if peer_safe(checkpoint.world_size, shards, copies, needed, live):
             return checkpoint
     return None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -83,13 +83,17 @@ def peer_safe(
     shard_nodes: dict[int, str],
     copies: Iterable[CopyValues],
     needed: int,
+    live: Container[str] | None = None,
 ) -> bool:
-    """``shard_nodes``: shard id -> the node it was registered on."""
+    """``shard_nodes``: shard id -> the node it was registered on; ``live``:
+    count only copies on these nodes (None: every copy the catalog records)."""
     if needed <= 0 or len(shard_nodes) < world_size:
         return False
     held: dict[int, set[str]] = defaultdict(set)
     for copy in copies:
         origin = shard_nodes.get(copy.shard_id)
+        if live is not None and copy.node not in live:
+            continue
         if copy.state == PeerCopyState.COMMITTED and origin is not None and copy.node != origin:
             held[copy.shard_id].add(copy.node)
     return all(len(held[shard_id]) >= needed for shard_id in shard_nodes)

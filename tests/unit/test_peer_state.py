@@ -84,3 +84,11 @@ def test_peer_retention_keeps_the_newest_and_every_copy_not_yet_durable() -> Non
     ]
     assert [c.id for c in to_evict(held, keep_last=2)] == [1, 5]
     assert [c.id for c in to_evict(held, keep_last=1)] == [1, 3, 5]
+
+
+def test_peer_safe_on_live_agents_only_counts_their_copies() -> None:
+    shards = {1: "a"}
+    copies = [Copy(1, "b", "committed"), Copy(1, "c", "committed")]
+    assert peer_safe(1, shards, copies, 2)
+    assert not peer_safe(1, shards, copies, 2, live={"a", "b"})
+    assert peer_safe(1, shards, copies, 1, live={"c"})
