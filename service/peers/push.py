@@ -7,7 +7,8 @@ Bound to the shard's node (it reads that node's T0). Steps:
    upload later checks that its own read agrees): a receiver verifies what
    arrives against the catalog, never against the pusher's word.
 2. Targets: live agents (``agents.live_agents``) of another failure domain
-   than this node's, not already holding a committed copy of the shard,
+   than this node's, not already holding a committed copy of the shard
+   (copies on dead agents do not count: the shard needs new ones),
    spread over the candidates by a hash of (shard, node).
 3. Each target gets every file (``PUT``, streamed in ``[peers] chunk_bytes``
    reads from a worker thread: bounded memory) and then the commit
@@ -125,7 +126,8 @@ class PeerPushJobs:
                 for node, state in await session.execute(
                     select(PeerCopy.node, PeerCopy.state).where(PeerCopy.shard_id == job.shard_id)
                 )
-                if state == PeerCopyState.COMMITTED and node != origin
+                # A dead agent's copy cannot be read: it does not count.
+                if state == PeerCopyState.COMMITTED and node != origin and node in live
             }
         domain = self.settings.server.domain
         candidates = sorted(

@@ -11,7 +11,10 @@
    worker here uploads it from the copy (its files have the registered
    sizes and mtimes, and the upload checks them against the catalog's
    hashes as usual). The checkpoint still becomes durable.
-3. **Retention**: of this node's copies, the newest ``[peers] keep_last``
+3. **Top-up**: this node's shards not yet durable with fewer than ``[peers]
+   copies`` copies on live agents (a peer died, a push gave up while no
+   peer was up) get a new push when a live agent could take one.
+4. **Retention**: of this node's copies, the newest ``[peers] keep_last``
    checkpoints per run are kept; older ones are evicted, except copies of a
    checkpoint not yet durable (then perhaps its only copy besides a lost
    node's T0) and a copy that became the shard's own T0 copy by takeover
@@ -30,8 +33,10 @@ from datetime import timedelta
 from sqlalchemy import select, update
 
 from ..db import reading, transaction
+from ..jobs import kinds
 from ..models import (
     AgentRow,
+    Checkpoint,
     CheckpointState,
     Job,
     JobKind,
@@ -40,6 +45,7 @@ from ..models import (
     PeerCopyState,
     Shard,
     ShardState,
+    priority_of,
     utcnow,
 )
 from ..resources import Resources
@@ -47,6 +53,9 @@ from . import agents
 from .repository import held_here
 
 log = logging.getLogger("tierckpt.peers")
+
+# Shards looked at per pass by the top-up, newest first.
+TOP_UP_LIMIT = 500
 
 # A checkpoint in one of these states needs no peer copy any more.
 SAFE_ELSEWHERE = (CheckpointState.DURABLE, CheckpointState.REPLICATED)
@@ -66,7 +75,9 @@ class PeerUpkeep:
             else:
                 await agents.announce(session, self.settings)
                 self._announced = True
-        if await self.take_over():
+        woken = await self.take_over()
+        woken += await self.top_up()
+        if woken:
             self.r.wake()
         await self.evict()
 
@@ -115,6 +126,78 @@ class PeerUpkeep:
                 path,
             )
         return taken
+
+    async def top_up(self) -> int:
+        """Queue a push for this node's shards not yet durable that have fewer
+        than ``[peers] copies`` committed copies on live agents (a peer died,
+        a push gave up while no peer was up), when a live agent of another
+        failure domain could take one. Not for durable ones: their copies
+        serve restores only, and the peers' retention evicts them."""
+        wanted = self.settings.peers.copies
+        if wanted <= 0:
+            return 0
+        node = self.settings.server.node
+        domain = self.settings.server.domain
+        async with reading(self.r.sessionmaker)() as session:
+            live = await agents.live_agents(session, self.settings.peers.lease_seconds)
+            others = {
+                a.node for a in live.values() if a.node != node and a.failure_domain != domain
+            }
+            if not others:
+                return 0
+            shards = (
+                await session.execute(
+                    select(Shard.id, Shard.checkpoint_id, Checkpoint.priority)
+                    .join(Checkpoint, Checkpoint.id == Shard.checkpoint_id)
+                    .where(
+                        Shard.node == node,
+                        Shard.evicted_at.is_(None),
+                        Checkpoint.state.in_(
+                            (CheckpointState.REGISTERED, CheckpointState.UPLOADING)
+                        ),
+                    )
+                    .order_by(Shard.id.desc())
+                    .limit(TOP_UP_LIMIT)
+                )
+            ).all()
+            ids = [shard_id for shard_id, _c, _p in shards]
+            if not ids:
+                return 0
+            held: dict[int, set[str]] = defaultdict(set)
+            for shard_id, holder in await session.execute(
+                select(PeerCopy.shard_id, PeerCopy.node).where(
+                    PeerCopy.shard_id.in_(ids), PeerCopy.state == PeerCopyState.COMMITTED
+                )
+            ):
+                if holder in live and holder != node:
+                    held[shard_id].add(holder)
+            pushing = set(
+                await session.scalars(
+                    select(Job.shard_id).where(
+                        Job.shard_id.in_(ids),
+                        Job.kind == JobKind.PEER_PUSH,
+                        Job.state.in_((JobState.QUEUED, JobState.RUNNING)),
+                    )
+                )
+            )
+        due = [
+            (shard_id, checkpoint_id, priority)
+            for shard_id, checkpoint_id, priority in shards
+            if shard_id not in pushing and len(held[shard_id]) < wanted and others - held[shard_id]
+        ]
+        if not due:
+            return 0
+        async with transaction(self.r.sessionmaker) as session:
+            for shard_id, checkpoint_id, priority in due:
+                await kinds.enqueue_peer_push(
+                    session,
+                    checkpoint_id,
+                    shard_id=shard_id,
+                    node=node,
+                    priority=priority_of(priority),
+                )
+        log.info("peers: queued %d push(es) of shards short of copies", len(due))
+        return len(due)
 
     async def evict(self) -> int:
         node = self.settings.server.node

@@ -8,7 +8,8 @@ one PostgreSQL catalog, each with its own T0 directory and port.
 - node A's agent killed -9 and its T0 deleted before the upload finished,
   the region unreachable: restorable through B, bytes identical, and B's
   agent makes it durable once the region is back;
-- a peer token can only push, and only a peer token may push.
+- a peer token can only push, and only a peer token may push;
+- a dead peer's copy of a checkpoint not yet durable is made again on a live one.
 """
 
 from __future__ import annotations
@@ -337,3 +338,36 @@ def test_peer_token_only_pushes_and_only_peer_tokens_push(tmp_path: Path, catalo
         )
         assert restored.returncode == 0, restored.stderr
         assert digests(tmp_path / "restored") == digests(source)
+
+
+def test_a_dead_peers_copy_is_made_again_on_a_live_one(
+    tmp_path: Path, catalog: str, seaweed: SeaweedServer, s3_bucket: str
+) -> None:
+    with S3FaultProxy(seaweed.endpoint_url) as proxy:
+        region = s3_region(proxy.endpoint_url, s3_bucket)
+        agents = {
+            name: peer_agent(tmp_path, name, catalog, region).start()
+            for name in ("node-a", "node-b", "node-c")
+        }
+        try:
+            a = agents["node-a"]
+            proxy.fail(503, "ServiceUnavailable")  # not durable: copies are its safety
+            source = write_checkpoint(tmp_path / "ssd-node-a" / "step-9", {"w.bin": 20_000})
+            assert cli("register", "top", "9", str(source), server=a.url).returncode == 0
+
+            def holders() -> list[str]:
+                return [
+                    p["node"]
+                    for p in detail(a, "top", 9)["peers"] or []
+                    if p["state"] == "committed"
+                ]
+
+            (first,) = poll("one copy", holders)
+            agents[first].kill()
+            (other,) = {"node-b", "node-c"} - {first}
+            # Once the holder's lease expires, A pushes to the live one.
+            poll(f"a copy on {other}", lambda: other in holders())
+            assert detail(a, "top", 9)["state"] in ("registered", "uploading")
+        finally:
+            for agent in agents.values():
+                agent.kill()
