@@ -75,7 +75,10 @@ def background(resources: Resources) -> tuple[Worker, list[Periodic]]:
         Periodic(
             "peers",
             upkeep.run_once,
-            settings.peers.interval_seconds,
+            # Peer tier off: only the heartbeat (GET /v1/agents), less often.
+            settings.peers.interval_seconds
+            if settings.peers.copies
+            else max(settings.peers.interval_seconds, settings.peers.lease_seconds / 3),
             log=logging.getLogger("tierckpt.peers"),
         )
     )

@@ -463,7 +463,8 @@ class PeersSettings(BaseModel):
     and a peer holding a copy of its not yet durable shards uploads them."""
     interval_seconds: float = Field(2.0, gt=0)
     """Seconds between the agent's peer passes: heartbeat, takeover of a dead
-    agent's uploads, peer retention, re-pushes of missing copies."""
+    agent's uploads, peer retention, re-pushes of missing copies. With
+    `copies = 0` only the heartbeat runs, every `lease_seconds` / 3 at most."""
     token: str | None = Field(None, min_length=16, max_length=4096)
     """The secret this agent presents when it pushes to a peer: a token of
     role `peer` in the peers' `[[tokens]]`. Needed when tokens are configured."""
