@@ -4,6 +4,7 @@ serving them to restoring clients."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request
@@ -26,6 +27,14 @@ class _CopyFile(FileResponse):
     # A restore reads whole ranges of large files: larger reads than
     # starlette's 64 KiB mean fewer thread hops and sends per MiB.
     chunk_size = 1024 * 1024
+
+
+def _served_size(base: Path, target: Path) -> int | None:
+    """The file's size, or None: not a file, or a symbolic link leading out
+    of the copy (a T0 file replaced after registration) is not served."""
+    if not target.is_file() or not target.resolve().is_relative_to(base.resolve()):
+        return None
+    return target.stat().st_size
 
 
 @router.get("/agents", response_model=AgentList)
@@ -74,7 +83,7 @@ async def serve_peer_file(
         raise NotFound(f"shard {shard_id} has no file {path[:200]!r}", code="file_not_found")
     base = await copy_path(resources, shard_id)
     target = layout.confined(base, path)
-    size = await asyncio.to_thread(lambda: target.stat().st_size if target.is_file() else None)
+    size = await asyncio.to_thread(_served_size, base, target)
     if size is None:
         raise NotFound(f"{path} is missing from this node's copy", code="object_not_found")
     metrics.observe_peer_bytes("served", metrics.served_length(range_header, size))

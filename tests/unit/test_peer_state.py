@@ -92,3 +92,17 @@ def test_peer_safe_on_live_agents_only_counts_their_copies() -> None:
     assert peer_safe(1, shards, copies, 2)
     assert not peer_safe(1, shards, copies, 2, live={"a", "b"})
     assert peer_safe(1, shards, copies, 1, live={"c"})
+
+
+def test_a_link_leading_out_of_a_copy_is_not_served(tmp_path: Path) -> None:
+    from tierckpt.service.peers.routes import _served_size
+
+    base = tmp_path / "copy"
+    base.mkdir()
+    (base / "w.bin").write_bytes(b"12345")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not yours")
+    (base / "link.bin").symlink_to(secret)
+    assert _served_size(base, base / "w.bin") == 5
+    assert _served_size(base, base / "link.bin") is None
+    assert _served_size(base, base / "missing.bin") is None
