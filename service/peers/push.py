@@ -27,7 +27,9 @@ import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import quote
 
 import httpx
@@ -48,6 +50,7 @@ from ..models import (
 )
 from ..observability import metrics
 from ..resources import Resources
+from ..uploads.source import SourceChanged, SourceFile, open_checked
 from . import agents
 from .receive import upsert_copy
 from .state import spread_key
@@ -59,26 +62,17 @@ class NoPeer(Exception):
     """No live agent of another failure domain can take a copy now."""
 
 
-def _hash_file(path: Path, size: int, mtime_ns: int, chunk: int) -> str:
-    info = os.stat(path)
-    if info.st_size != size or info.st_mtime_ns != mtime_ns:
-        raise PermanentJobError(
-            f"{path} changed since it was registered (size or mtime); not pushed"
-        )
+def _hash_fd(fd: int, chunk: int) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with os.fdopen(fd, "rb") as handle:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
 
 
-async def _read_chunks(path: Path, chunk: int) -> AsyncIterator[bytes]:
-    handle = await asyncio.to_thread(open, path, "rb")
-    try:
-        while block := await asyncio.to_thread(handle.read, chunk):
-            yield block
-    finally:
-        handle.close()
+async def _read_chunks(handle: BinaryIO, chunk: int) -> AsyncIterator[bytes]:
+    while block := await asyncio.to_thread(handle.read, chunk):
+        yield block
 
 
 class PeerPushJobs:
@@ -167,17 +161,33 @@ class PeerPushJobs:
         async with transaction(self.r.sessionmaker) as session:
             await queue.complete(session, job)
 
+    async def _open(self, base: Path, f: File) -> int:
+        """The registered file, as the upload opens it (upload/source.py):
+        the memory tier's segment while it holds it, else T0 confined to the
+        local roots, no symbolic link followed, size and mtime as registered."""
+        source = SourceFile(
+            path=base / f.path,
+            relative=f.path,
+            key="",
+            size=f.size,
+            mtime_ns=f.mtime_ns,
+            elsewhere=partial(self.r.open_in_memory, base, f.path),
+        )
+        try:
+            return await asyncio.to_thread(open_checked, source, self.settings.local.roots)
+        except SourceChanged as exc:
+            if not await asyncio.to_thread(os.path.lexists, source.path):
+                # Being written to T0 from the memory tier: a later attempt finds it.
+                raise NoPeer(f"{f.path} is not on T0 yet") from exc
+            raise PermanentJobError(f"{exc}; not pushed") from exc
+
     async def _hash_unhashed(self, base: Path, files: list[File]) -> None:
         chunk = self.settings.peers.chunk_bytes
         for f in files:
             if f.sha256 is not None:
                 continue
-            path = base / f.path
-            try:
-                digest = await asyncio.to_thread(_hash_file, path, f.size, f.mtime_ns, chunk)
-            except FileNotFoundError as exc:
-                # Staged in memory and not yet on T0: a later attempt finds it.
-                raise NoPeer(f"{path} is not on T0 yet") from exc
+            fd = await self._open(base, f)
+            digest = await asyncio.to_thread(_hash_fd, fd, chunk)
             if f.expected_sha256 and digest != f.expected_sha256:
                 raise PermanentJobError(
                     f"{f.path}: SHA-256 {digest} differs from {f.expected_sha256} given at "
@@ -212,11 +222,12 @@ class PeerPushJobs:
         chunk = self.settings.peers.chunk_bytes
         prefix = f"{agent.url}/v1/peers/shards/{job.shard_id}"
         for f in files:
-            response = await http.put(
-                f"{prefix}/files/{quote(f.path)}",
-                content=_read_chunks(base / f.path, chunk),
-                headers={"Content-Length": str(f.size)},
-            )
+            with os.fdopen(await self._open(base, f), "rb") as handle:
+                response = await http.put(
+                    f"{prefix}/files/{quote(f.path)}",
+                    content=_read_chunks(handle, chunk),
+                    headers={"Content-Length": str(f.size)},
+                )
             _check(response)
             metrics.observe_peer_bytes("pushed", f.size)
         _check(await http.post(f"{prefix}/commit"))
