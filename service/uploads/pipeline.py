@@ -16,6 +16,7 @@ aiohttp — measured at ~1.4 s of loop time per GB).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -103,6 +104,24 @@ def _read_and_hash(
     read_into(fd, offset, view, source)
     hasher.update(view)
     return view
+
+
+async def _read_part(
+    fd: int, offset: int, buffer: bytearray, length: int, source: SourceFile, hasher: FileHashes
+) -> memoryview:
+    """``_read_and_hash`` in a thread that, if the caller is cancelled, is
+    still waited for: it writes into a buffer that then goes back to the
+    pool, and must not write into it once another part holds it."""
+    future = asyncio.ensure_future(
+        asyncio.to_thread(_read_and_hash, fd, offset, buffer, length, source, hasher)
+    )
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([future])
+        raise
 
 
 async def upload_file(
@@ -198,7 +217,7 @@ async def _single_put(
     buffer = await limits.parts.acquire()
     failures: dict[int, Exception] = {}
     try:
-        data = await asyncio.to_thread(_read_and_hash, fd, 0, buffer, source.size, source, hasher)
+        data = await _read_part(fd, 0, buffer, source.size, source, hasher)
         indexes = list(stores)
         results = await asyncio.gather(
             *(stores[i].put_bytes(source.key, data) for i in indexes), return_exceptions=True
@@ -238,6 +257,10 @@ async def _multipart(
         raise failures[0]
     parts: dict[int, list[PartRef]] = {index: [] for index in uploads}
     sends: list[asyncio.Task[None]] = []
+    # Part number -> its buffer, until every send of the part has ended. A
+    # send cancelled before it started never runs its finally: its buffer is
+    # given back from here, or the pool would shrink for good.
+    holding: dict[int, bytearray] = {}
 
     async def send_one(index: int, number: int, offset: int, data: memoryview) -> None:
         try:
@@ -247,7 +270,7 @@ async def _multipart(
         except Exception as exc:
             _keep_going(failures, index, exc)
 
-    async def send(number: int, offset: int, buffer: bytearray, data: memoryview) -> None:
+    async def send(number: int, offset: int, data: memoryview) -> None:
         live = [i for i in uploads if i not in failures]
         try:
             # Every send of the part has ended before its buffer is reused.
@@ -255,7 +278,7 @@ async def _multipart(
                 *(send_one(i, number, offset, data) for i in live), return_exceptions=True
             )
         finally:
-            limits.parts.release(buffer)
+            limits.parts.release(holding.pop(number))
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -265,13 +288,12 @@ async def _multipart(
             buffer = await limits.parts.acquire()
             try:
                 length = min(limits.part_size, source.size - offset)
-                data = await asyncio.to_thread(
-                    _read_and_hash, fd, offset, buffer, length, source, hasher
-                )
+                data = await _read_part(fd, offset, buffer, length, source, hasher)
             except BaseException:
                 limits.parts.release(buffer)
                 raise
-            sends.append(asyncio.create_task(send(number, offset, buffer, data)))
+            holding[number] = buffer
+            sends.append(asyncio.create_task(send(number, offset, data)))
             del data, buffer
             # Stop reading as soon as the first destination has failed.
             failed = next((t for t in sends if t.done() and t.exception()), None)
@@ -296,6 +318,9 @@ async def _multipart(
         for task in sends:
             task.cancel()
         await asyncio.gather(*sends, return_exceptions=True)
+        for buffer in holding.values():
+            limits.parts.release(buffer)
+        holding.clear()
         await _abort(stores, uploads)
         raise
     return failures
