@@ -1,4 +1,4 @@
-"""Stream one file from local SSD to a region, hashing it in the same pass.
+"""Stream one file from local SSD to one or more regions, hashing it in the same pass.
 
 Each part is read (``preadv``) into one of a fixed pool of part buffers and
 fed to SHA-256 in a worker thread (hashlib releases the GIL on large
@@ -11,6 +11,12 @@ in or copied again on its way to the socket: a part is a view of its buffer,
 and the store sends it as is (see ``storage/s3.py`` ``_PartBody``; a
 ``bytes`` body would be copied whole on the event loop by botocore and
 aiohttp — measured at ~1.4 s of loop time per GB).
+
+Several regions (a fan-out upload) share the read: each part goes to every
+region before its buffer is reused, so a second region costs its sends, not
+a second read and hash of the file. A secondary region that fails is
+dropped for the rest of the file; only the first region's failure fails the
+upload (``upload_file_to``).
 """
 
 from __future__ import annotations
