@@ -341,8 +341,10 @@ async def fetch_files(
         handed_over = False
         try:
             start, end = sink.bounds(index)
-            buffer = buffers.take()
             async with network:
+                # Taken once the range can be fetched, not when it was queued:
+                # only as many buffers as ranges in flight or awaiting their hash.
+                buffer = buffers.take()
                 await _get_range_retrying(http, sink.job, start, end, options, buffer, direct)
             await in_thread(sink.write, buffer, start, end)
             data = memoryview(buffer)[: end - start]
@@ -377,3 +379,4 @@ async def fetch_files(
     finally:
         for sink in sinks:
             sink.close()
+        buffers.close()

@@ -123,19 +123,47 @@ def open_target(target: Path, unbuffered: bool = False) -> tuple[int, bool]:
     return os.open(target, flags, 0o644), False
 
 
+# Range buffers kept between restores (and the DCP reader's reads) of one
+# process, up to this many bytes: fresh anonymous memory costs a page fault
+# per page on first touch and its unmapping at the end, which on some VMs was
+# a third of a restore's time; reused pages cost neither. A process that
+# never restores again keeps at most this much.
+IDLE_BYTES = 128 * 1024 * 1024
+_IDLE: dict[int, list[RangeBuffer]] = {}
+
+
+def _idle_bytes() -> int:
+    return sum(size * len(buffers) for size, buffers in _IDLE.items())
+
+
 class RangeBuffers:
     """Range buffers, reused: a fresh bytearray per range costs its
     zero-filling and a page fault per page, more CPU than copying the data
     in. At most the fetch window's worth exist at once (the window semaphore
-    bounds them). Anonymous mmaps, so they are page-aligned, as O_DIRECT
-    writes need."""
+    bounds them); ``close`` hands them to the next download of the process
+    (``IDLE_BYTES`` at most). Anonymous mmaps, so they are page-aligned, as
+    O_DIRECT writes need."""
 
     def __init__(self, size: int):
         self.size = size
         self._free: list[RangeBuffer] = []
 
     def take(self) -> RangeBuffer:
-        return self._free.pop() if self._free else mmap.mmap(-1, self.size)
+        if self._free:
+            return self._free.pop()
+        try:
+            # pop() is atomic: downloads in other threads share the list.
+            return _IDLE.get(self.size, []).pop()
+        except IndexError:
+            return mmap.mmap(-1, self.size)
 
     def give(self, buffer: RangeBuffer) -> None:
         self._free.append(buffer)
+
+    def close(self) -> None:
+        """Keep the free buffers for the next download, up to ``IDLE_BYTES``."""
+        while self._free:
+            buffer = self._free.pop()
+            if _idle_bytes() + self.size <= IDLE_BYTES:
+                _IDLE.setdefault(self.size, []).append(buffer)
+            # else dropped: unmapped once no view of it is left

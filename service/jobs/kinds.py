@@ -161,8 +161,8 @@ def payload_of(kind: str, data: Mapping[str, Any] | None) -> Payload:
 
 # -- enqueue, one function per kind -------------------------------------------
 # Each adds the job unless the same one (kind, checkpoint, shard, region) is
-# active already (True if added); call it in the transaction that makes the
-# job necessary, so both commit or vanish together.
+# active already (True, or the new job's id, if added); call it in the
+# transaction that makes the job necessary, so both commit or vanish together.
 
 
 def upload_row(
@@ -202,7 +202,7 @@ async def enqueue_upload(
     mode: UploadMode,
     worker: WorkerSettings,
     priority: int = 0,
-) -> bool:
+) -> int | None:
     row = upload_row(
         checkpoint_id,
         shard_id=shard_id,
@@ -222,7 +222,7 @@ async def enqueue_commit(
     region: str,
     worker: WorkerSettings,
     priority: int = 0,
-) -> bool:
+) -> int | None:
     return await queue.enqueue(
         session,
         JobKind.COMMIT,
@@ -237,7 +237,7 @@ async def enqueue_replicate(
     session: AsyncSession, checkpoint: Checkpoint, region: str, *, delay_seconds: float = 0.0
 ) -> bool:
     """Queue a copy of the checkpoint into ``region`` (a pending or corrupt replica)."""
-    return await queue.enqueue(
+    added = await queue.enqueue(
         session,
         JobKind.REPLICATE,
         checkpoint.id,
@@ -246,6 +246,7 @@ async def enqueue_replicate(
         max_attempts=KINDS[JobKind.REPLICATE].retry.attempts(),
         delay_seconds=delay_seconds,
     )
+    return added is not None
 
 
 async def enqueue_replication(
@@ -274,7 +275,7 @@ async def enqueue_replication(
 async def enqueue_verify(
     session: AsyncSession, checkpoint_id: int, region: str, priority: int = 0
 ) -> bool:
-    return await queue.enqueue(
+    added = await queue.enqueue(
         session,
         JobKind.VERIFY,
         checkpoint_id,
@@ -282,18 +283,20 @@ async def enqueue_verify(
         priority=priority,
         max_attempts=KINDS[JobKind.VERIFY].retry.attempts(),
     )
+    return added is not None
 
 
 async def enqueue_delete(
     session: AsyncSession, checkpoint_id: int, reason: str, *, force: bool = False
 ) -> bool:
-    return await queue.enqueue(
+    added = await queue.enqueue(
         session,
         JobKind.DELETE,
         checkpoint_id,
         payload=DeletePayload(reason, force).to_json(),
         max_attempts=KINDS[JobKind.DELETE].retry.attempts(),
     )
+    return added is not None
 
 
 async def enqueue_retention(session: AsyncSession, checkpoint: Checkpoint) -> None:

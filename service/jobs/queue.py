@@ -87,8 +87,9 @@ async def enqueue(
     payload: dict[str, Any] | None = None,
     max_attempts: int = 10,
     delay_seconds: float = 0.0,
-) -> bool:
-    """Add a job unless the same one is already active; True if added.
+) -> int | None:
+    """Add a job unless the same one is already active; the new job's id, or
+    None when it was already there.
 
     Call it inside the transaction that creates the row the job is about, so
     the two commit (or vanish) together.
@@ -107,11 +108,12 @@ async def enqueue(
     return await enqueue_row(session, values)
 
 
-async def enqueue_row(session: AsyncSession, values: dict[str, Any]) -> bool:
+async def enqueue_row(session: AsyncSession, values: dict[str, Any]) -> int | None:
     """``enqueue`` of a row from ``job_values``."""
     statement = _insert_ignoring_active(dialect_name(session)).values(**values).returning(Job.id)
     result = await session.execute(statement)
-    return result.scalar_one_or_none() is not None
+    job_id: int | None = result.scalar_one_or_none()
+    return job_id
 
 
 def enqueue_many(conn: Connection, rows: list[dict[str, Any]]) -> None:
@@ -183,6 +185,30 @@ async def claim(
     statement = (
         update(Job)
         .where(Job.id == runnable)
+        .values(
+            state=JobState.RUNNING,
+            lease_token=secrets.token_hex(16),
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=lease_seconds),
+            attempts=Job.attempts + 1,
+            updated_at=now,
+        )
+        .returning(Job)
+        .execution_options(synchronize_session=False)
+    )
+    return (await session.scalars(statement)).one_or_none()
+
+
+async def claim_queued(
+    session: AsyncSession, job_id: int, *, owner: str, lease_seconds: float
+) -> Job | None:
+    """Take one queued job by its id (a job that just enqueued it runs it next
+    in the same task, see ``worker.run_next``), or None when it is not
+    runnable now (running elsewhere, over, or waiting for its backoff)."""
+    now = utcnow()
+    statement = (
+        update(Job)
+        .where(Job.id == job_id, Job.state == JobState.QUEUED, Job.run_after <= now)
         .values(
             state=JobState.RUNNING,
             lease_token=secrets.token_hex(16),

@@ -10,6 +10,13 @@ leases of running jobs would expire under them, and the agent must see it.
 While the agent drains (``begin_drain``, on SIGTERM) the worker claims only
 its own node's work (``queue.node_work``), urgent first: what nobody else can
 do once the node is gone.
+
+A job may claim the job it enqueued (``follow_ups``; an upload its commit) so
+that the same task runs it right after, with no trip through the queue: no
+wake-up, no claim loop, no second slot. The claim is in the catalog like any
+other (a kill -9 leaves it to lease expiry or the next start), its lease is
+extended by the heartbeat from the moment it is claimed, and a cancelled task
+gives its unstarted follow-ups back.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import logging
 import os
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -37,6 +45,33 @@ log = logging.getLogger("tierckpt.worker")
 # The longest pause between two claims while the catalog is unreachable: how
 # late, at worst, an agent notices the catalog is back.
 OUTAGE_PAUSE_MAX = 5.0
+
+
+@dataclass
+class FollowUps:
+    """Jobs claimed by the running job for its task to run next, in order."""
+
+    owner: str
+    lease_seconds: float
+    jobs: list[Job] = field(default_factory=list)
+
+    def add(self, job: Job, *, first: bool = False) -> None:
+        """Call after the transaction that claimed ``job`` has committed;
+        ``first``: before the follow-ups added so far."""
+        if first:
+            self.jobs.insert(0, job)
+        else:
+            self.jobs.append(job)
+
+
+_FOLLOW_UPS: ContextVar[FollowUps | None] = ContextVar("tierckpt_follow_ups", default=None)
+
+
+def follow_ups() -> FollowUps | None:
+    """Inside a job the worker runs: where to add a job claimed
+    (``queue.claim_queued`` with this owner and lease) to run next in the
+    same task. None elsewhere (a handler called directly): leave it queued."""
+    return _FOLLOW_UPS.get()
 
 
 class PermanentJobError(Exception):
@@ -79,6 +114,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._wakeup = asyncio.Event()
         self._running: dict[asyncio.Task[None], Job] = {}
+        self._follow_ups: dict[asyncio.Task[None], FollowUps] = {}
         self._main: asyncio.Task[None] | None = None
         self._draining = False
         self._grace = settings.shutdown_timeout
@@ -206,6 +242,7 @@ class Worker:
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._running.pop(task, None)
+        self._follow_ups.pop(task, None)
         self._slots.release()
         # A finished job often enqueues the next (upload -> commit).
         self._wakeup.set()
@@ -221,6 +258,25 @@ class Worker:
             )
 
     async def _execute(self, job: Job) -> None:
+        """Run ``job``, then the follow-ups it claimed, one after another."""
+        task = asyncio.current_task()
+        assert task is not None
+        pending = FollowUps(self.owner, self._settings.lease_seconds)
+        _FOLLOW_UPS.set(pending)  # this task's context only
+        self._follow_ups[task] = pending
+        try:
+            while True:
+                await self._execute_one(job)
+                if not pending.jobs:
+                    return
+                job = pending.jobs.pop(0)
+                self._running[task] = job
+        except asyncio.CancelledError:
+            for waiting in pending.jobs:
+                await self._settle(waiting, "release", None, self._handlers.get(waiting.kind))
+            raise
+
+    async def _execute_one(self, job: Job) -> None:
         handler = self._handlers.get(job.kind)
         try:
             # Job id, kind, run, step, region on every log line of this task.
@@ -293,7 +349,9 @@ class Worker:
         interval = self._settings.lease_seconds / 3
         while True:
             await asyncio.sleep(interval)
-            tokens = [j.lease_token for j in self._running.values() if j.lease_token]
+            held = [*self._running.values()]
+            held += [j for pending in self._follow_ups.values() for j in pending.jobs]
+            tokens = [j.lease_token for j in held if j.lease_token]
             if not tokens:
                 continue
             try:

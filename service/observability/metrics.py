@@ -50,6 +50,12 @@ DEDUP_BYTES = Counter(
     ["region"],
     registry=REGISTRY,
 )
+UPLOAD_READ_BYTES = Counter(
+    "tierckpt_upload_read_bytes",
+    "Bytes of checkpoint files read from local SSD (or the memory tier) and hashed "
+    "by uploads: once per file however many regions it is sent to at once.",
+    registry=REGISTRY,
+)
 UPLOAD_SECONDS = Histogram(
     "tierckpt_upload_duration_seconds",
     "Time to upload one shard (read, hash and upload every file) into the primary region.",
@@ -245,6 +251,11 @@ def observe_upload(region: str | None, nbytes: int, *, repair: bool = False) -> 
     UPLOAD_SECONDS.labels(region).observe(job_elapsed())
     if repair:
         SCRUB_RESULTS.labels(region, "repaired").inc()
+
+
+def observe_upload_read(nbytes: int) -> None:
+    """A file of ``nbytes`` was read and hashed once for the regions it went to."""
+    UPLOAD_READ_BYTES.inc(nbytes)
 
 
 def observe_dedup(region: str | None, nbytes: int) -> None:

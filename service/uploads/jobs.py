@@ -17,7 +17,7 @@ from ..concurrency import gather_or_cancel
 from ..db import transaction
 from ..jobs import kinds, queue
 from ..jobs.kinds import UploadMode, UploadPayload
-from ..jobs.worker import JobHandler, PermanentJobError, region_store
+from ..jobs.worker import FollowUps, JobHandler, PermanentJobError, follow_ups, region_store
 from ..models import (
     Checkpoint,
     CheckpointState,
@@ -40,7 +40,7 @@ from ..storage.base import ObjectStore, StoreError
 from ..storage.leftovers import abort_left_uploads
 from ..storage.manifest import manifest_digest
 from .dedup import Deduplicator
-from .pipeline import UploadedFile, UploadLimits, upload_file
+from .pipeline import Destination, Outcome, UploadedFile, UploadLimits, upload_file_to
 from .source import SourceChanged, SourceFile
 
 log = logging.getLogger("tierckpt.upload")
@@ -75,6 +75,9 @@ class UploadJobs:
             chunk_size=upload.chunk_size_mb * 1024 * 1024,
         )
         self.files_in_flight = asyncio.Semaphore(upload.files_in_flight)
+        # Fan-out jobs whose region got its bytes from the primary's reads:
+        # job id -> (the lease token of that claim, its files or why not).
+        self._teed: dict[int, tuple[str | None, list[UploadedFile] | Exception]] = {}
 
     def handlers(self) -> dict[str, JobHandler]:
         return {
@@ -89,6 +92,12 @@ class UploadJobs:
         store = region_store(self.r.stores, job)
         mode = UploadPayload.from_json(job.payload).mode
         repair = mode == UploadMode.REPAIR
+        # Sent already by the primary's upload, from the same read (_fan_out);
+        # only for this very claim of the job (its lease token).
+        teed = self._teed.pop(job.id, None)
+        sent_along = teed[1] if teed is not None and teed[0] == job.lease_token else None
+        next_jobs = follow_ups()
+        fan_outs: list[Job] = []
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await locked(session, job.checkpoint_id)
             if checkpoint.state in FINAL:
@@ -105,7 +114,12 @@ class UploadJobs:
                     checkpoint.state = CheckpointState.UPLOADING
             run_name, step, rank, base = run.name, checkpoint.step, shard.rank, Path(shard.path)
             if mode == UploadMode.PRIMARY:
-                await self._fan_out(session, checkpoint, job)
+                fan_outs = await self._fan_out(session, checkpoint, job, next_jobs)
+        for fan_out in fan_outs:
+            # Run in this task after this job, whatever becomes of it: with
+            # the bytes this job sent them, or on their own if it failed.
+            assert next_jobs is not None
+            next_jobs.add(fan_out)
 
         sources = [
             SourceFile(
@@ -120,36 +134,20 @@ class UploadJobs:
             )
             for f in files
         ]
-        if job.attempts > 1:
-            # An earlier attempt may have died mid-upload (kill -9, a lost
-            # lease): its open multipart uploads would stay in the region,
-            # invisible and billed, forever. This job owns the shard's prefix
-            # in this region (one upload job per shard and region).
-            await abort_left_uploads(store, layout.shard_prefix(run_name, step, rank))
-        roots = self.r.settings.local.roots
-        # Unchanged files are copied inside the region instead of sent; not for
-        # a repair, which rewrites a damaged copy from T0 by design.
-        dedup = (
-            await Deduplicator.prepare(
-                self.r.sessionmaker,
-                store,
-                checkpoint_id=job.checkpoint_id,
-                run=run_name,
-                rank=rank,
-                chunk_size=self.limits.chunk_size,
-            )
-            if self.r.settings.upload.dedup and not repair
-            else None
-        )
-        try:
-            uploaded = await gather_or_cancel(*(self._one(store, s, roots, dedup) for s in sources))
-        except SourceChanged as exc:
-            raise PermanentJobError(str(exc)) from exc
+        if isinstance(sent_along, list):
+            uploaded = sent_along
+        elif isinstance(sent_along, SourceChanged):
+            raise PermanentJobError(str(sent_along)) from sent_along
+        elif sent_along is not None:
+            raise sent_along  # retried on its own, like any failed upload
+        else:
+            uploaded = await self._send(job, store, sources, fan_outs, run_name, step, rank, repair)
         sent = sum(u.size for u in uploaded if not u.copied)
         metrics.observe_upload(job.region, sent, repair=repair)
         metrics.observe_dedup(job.region, sum(u.size for u in uploaded) - sent)
 
         by_path = {u.relative: u for u in uploaded}
+        commit: Job | None = None
         async with transaction(self.r.sessionmaker) as session:
             checkpoint = await locked(session, job.checkpoint_id)
             deleted = checkpoint.state == CheckpointState.DELETED
@@ -170,17 +168,89 @@ class UploadJobs:
                     .where(Shard.id == job.shard_id, Shard.state != ShardState.UPLOADED)
                     .values(state=ShardState.UPLOADED, uploaded_at=utcnow(), error=None)
                 )
-                await self._enqueue_commit_when_complete(session, checkpoint, job.region)
+                commit_id = await self._enqueue_commit_when_complete(
+                    session, checkpoint, job.region
+                )
+                if commit_id is not None and next_jobs is not None:
+                    # The manifest next, in this task: no trip through the
+                    # queue between the last byte and the commit marker.
+                    commit = await queue.claim_queued(
+                        session,
+                        commit_id,
+                        owner=next_jobs.owner,
+                        lease_seconds=next_jobs.lease_seconds,
+                    )
         if deleted:
             # Deleted while this upload ran: its delete job may have gone
             # through the region before these objects landed. Take them back.
             await _withdraw(store, [s.key for s in sources])
             return
+        if commit is not None:
+            assert next_jobs is not None
+            next_jobs.add(commit, first=True)
         self.r.wake()
 
-    async def _fan_out(self, session: AsyncSession, checkpoint: Checkpoint, job: Job) -> None:
+    async def _send(
+        self,
+        job: Job,
+        store: ObjectStore,
+        sources: list[SourceFile],
+        fan_outs: list[Job],
+        run_name: str,
+        step: int,
+        rank: int,
+        repair: bool,
+    ) -> list[UploadedFile]:
+        """Send the shard's files to ``store`` and, from the same reads, to
+        the regions of ``fan_outs``; what each of those got (its files, or
+        why it failed) waits in ``_teed`` for its job to record it."""
+        if job.attempts > 1:
+            # An earlier attempt may have died mid-upload (kill -9, a lost
+            # lease): its open multipart uploads would stay in the region,
+            # invisible and billed, forever. This job owns the shard's prefix
+            # in this region (one upload job per shard and region).
+            await abort_left_uploads(store, layout.shard_prefix(run_name, step, rank))
+        roots = self.r.settings.local.roots
+        destinations = []
+        regions = [(store, job), *((region_store(self.r.stores, j), j) for j in fan_outs)]
+        for target, region_job in regions:
+            # Unchanged files are copied inside the region instead of sent;
+            # not for a repair, which rewrites a damaged copy from T0 by design.
+            dedup = (
+                await Deduplicator.prepare(
+                    self.r.sessionmaker,
+                    target,
+                    checkpoint_id=region_job.checkpoint_id,
+                    run=run_name,
+                    rank=rank,
+                    chunk_size=self.limits.chunk_size,
+                )
+                if self.r.settings.upload.dedup and not repair
+                else None
+            )
+            destinations.append(Destination(target, dedup))
+        try:
+            outcomes = await gather_or_cancel(*(self._one(destinations, s, roots) for s in sources))
+        except SourceChanged as exc:
+            raise PermanentJobError(str(exc)) from exc
+        for number, fan_out in enumerate(fan_outs, start=1):
+            got = [per_file[number] for per_file in outcomes]
+            failed = next((o for o in got if isinstance(o, Exception)), None)
+            files = [o for o in got if isinstance(o, UploadedFile)]
+            self._teed[fan_out.id] = (fan_out.lease_token, failed or files)
+        return [_uploaded(per_file[0]) for per_file in outcomes]
+
+    async def _fan_out(
+        self,
+        session: AsyncSession,
+        checkpoint: Checkpoint,
+        job: Job,
+        next_jobs: FollowUps | None,
+    ) -> list[Job]:
         """Queue this shard's upload into every secondary region too, from the
-        same T0 files, so the regions fill in parallel.
+        same T0 files, so the regions fill in parallel; the jobs this task
+        claimed to send from the primary's own reads (one read and one hash
+        of each file for every region), run after it to record their region.
 
         Only for single-shard checkpoints: a secondary region's manifest needs
         every rank, and ranks of one checkpoint live on different nodes; a
@@ -190,7 +260,7 @@ class UploadJobs:
         settings = self.r.settings
         shard_id = job.shard_id
         if not settings.upload.fan_out or checkpoint.world_size != 1 or shard_id is None:
-            return
+            return []
         pending = await session.scalars(
             select(Replica.region).where(
                 Replica.checkpoint_id == checkpoint.id,
@@ -199,13 +269,14 @@ class UploadJobs:
             )
         )
         primary = self.r.stores.get(job.region or "")
+        claimed = []
         for region in pending:
             store = self.r.stores.get(region)
             # Two buckets of one endpoint: the replicate job's server-side
             # copy sends no bytes at all, which beats a second upload.
             if store is None or (primary is not None and store.copies_server_side_from(primary)):
                 continue
-            await kinds.enqueue_upload(
+            added = await kinds.enqueue_upload(
                 session,
                 checkpoint.id,
                 shard_id=shard_id,
@@ -215,27 +286,39 @@ class UploadJobs:
                 worker=settings.worker,
                 priority=job.priority,
             )
+            if added is not None and next_jobs is not None:
+                fan_out = await queue.claim_queued(
+                    session, added, owner=next_jobs.owner, lease_seconds=next_jobs.lease_seconds
+                )
+                if fan_out is not None:
+                    claimed.append(fan_out)
+        return claimed
 
-    async def _one(self, store, source: SourceFile, roots: list[Path], dedup=None) -> UploadedFile:  # type: ignore[no-untyped-def]
+    async def _one(
+        self, destinations: list[Destination], source: SourceFile, roots: list[Path]
+    ) -> list[Outcome]:
         async with self.files_in_flight:
-            return await upload_file(store, source, roots, self.limits, dedup)
+            return await upload_file_to(destinations, source, roots, self.limits)
 
     async def _enqueue_commit_when_complete(
         self, session: AsyncSession, checkpoint: Checkpoint, region: str
-    ) -> None:
+    ) -> int | None:
+        """The commit job's id when this was the checkpoint's last shard
+        (None otherwise, or when it is queued already)."""
         uploaded = await session.scalar(
             select(func.count())
             .select_from(Shard)
             .where(Shard.checkpoint_id == checkpoint.id, Shard.state == ShardState.UPLOADED)
         )
         if uploaded == checkpoint.world_size:
-            await kinds.enqueue_commit(
+            return await kinds.enqueue_commit(
                 session,
                 checkpoint.id,
                 region=region,
                 worker=self.r.settings.worker,
                 priority=priority_of(checkpoint.priority),
             )
+        return None
 
     async def _commit_repair_when_complete(
         self, session: AsyncSession, checkpoint: Checkpoint, region: str
@@ -344,6 +427,12 @@ class UploadJobs:
         if job.region == self.r.settings.primary_region.name:
             await mark_checkpoint_failed(session, job.checkpoint_id, f"commit failed: {error}")
         await self._fall_back_to_replication(session, job, f"commit failed: {error}")
+
+
+def _uploaded(outcome: Outcome) -> UploadedFile:
+    # The primary's failures raise in upload_file_to: only files get here.
+    assert isinstance(outcome, UploadedFile)
+    return outcome
 
 
 async def _withdraw(store: ObjectStore, keys: list[str]) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from devsupport.agent import Agent, AgentOrNetwork, running_agent, s3_region, write_checkpoint
 from devsupport.seaweed import SeaweedServer, boto3_client, overwrite_object
+from tests.integration.test_metrics import scrape, value
 from tierckpt.client import AsyncCheckpointClient
 
 PREFIX = "prod"
@@ -130,6 +131,46 @@ async def test_replicates_to_a_second_region_with_manifest_last(
             await agent.http.get("/v1/runs/llm/latest", params={"region": "west"})
         ).json()
         assert latest_west["step"] == 1
+
+
+async def test_fan_out_reads_and_hashes_each_file_once_for_both_regions(
+    catalog_url: str,
+    tmp_path: Path,
+    seaweed: SeaweedServer,
+    s3_bucket: str,
+    s3_client: Any,
+    seaweed_west: SeaweedServer,
+    west_bucket: str,
+    west_client: Any,
+) -> None:
+    """The primary's upload sends each part it reads to the fan-out region
+    too: T0 is read (and hashed) once, not once per region."""
+    regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket)
+    # Parts of 5 MiB: the 12 MiB file goes as a multipart upload to both.
+    upload = {"fan_out": True, "dedup": False, "part_size_mb": 5}
+    async with running_agent(catalog_url, tmp_path, regions, upload=upload) as agent:
+        files = {"big.bin": 12 << 20, "small.json": b"{}"}
+        total = (12 << 20) + 2
+        ckpt = write_checkpoint(agent.ssd / "s1", files)
+        _, before = await scrape(agent)
+        assert (await agent.register("once", 1, ckpt)).status_code == 202
+        done = await agent.wait_state("once", 1, states=("replicated",))
+        _, after = await scrape(agent)
+
+        def delta(name: str, **labels: str) -> float:
+            return value(after, name, **labels) - value(before, name, **labels)
+
+        assert delta("tierckpt_upload_read_bytes_total") == total
+        assert delta("tierckpt_uploaded_bytes_total", region="east") == total
+        assert delta("tierckpt_uploaded_bytes_total", region="west") == total
+        west_upload = next(
+            j for j in done["jobs"] if j["region"] == "west" and j["kind"] == "upload"
+        )
+        assert (west_upload["state"], west_upload["attempts"]) == ("succeeded", 1)
+        for entry in done["files"]:
+            object_key = key("once", 1, entry["path"])
+            assert remote_sha256(s3_client, s3_bucket, object_key) == entry["sha256"]
+            assert remote_sha256(west_client, west_bucket, object_key) == entry["sha256"]
 
 
 async def test_same_endpoint_regions_copy_server_side(
