@@ -345,10 +345,12 @@ def peer_push_row(
 async def enqueue_peer_push(
     session: AsyncSession, checkpoint_id: int, *, shard_id: int, node: str, priority: int = 0
 ) -> bool:
-    """Push the shard to peers again (a copy went corrupt or was lost)."""
-    return await queue.enqueue_row(
+    """Push the shard to peers again (a copy went corrupt or was lost);
+    False when one is queued already."""
+    job_id = await queue.enqueue_row(
         session, peer_push_row(checkpoint_id, shard_id=shard_id, node=node, priority=priority)
     )
+    return job_id is not None
 
 
 async def enqueue_prefetch(
