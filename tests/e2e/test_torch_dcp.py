@@ -54,24 +54,33 @@ def launch(*args: str, log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def uninterrupted(tmp_path: Path, steps: int) -> list[dict[str, Any]]:
-    """The same job run straight through without tierckpt (the weights go to
-    ``tmp_path/ref<steps>.st``): what a resumed job must end with."""
-    return launch(
+@pytest.fixture(scope="module")
+def reference16(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """The same job run straight through for 16 steps without tierckpt, what
+    a resumed job must end identical to: (its "done" event, its weights file).
+
+    One run for the module: the job is deterministic and never talks to an
+    agent, so both tests compare against the same run instead of each paying
+    for another 2-rank launch."""
+    directory = tmp_path_factory.mktemp("dcp-reference")
+    events = launch(
         "--root",
-        str(tmp_path / "unused"),
+        str(directory / "unused"),
         "--steps",
-        str(steps),
+        "16",
         "--no-register",
         "--final-out",
-        str(tmp_path / f"ref{steps}.st"),
-        log=tmp_path / "ref.log",
+        str(directory / "ref16.st"),
+        log=directory / "ref.log",
     )
+    assert events[-1]["event"] == "done" and events[-1]["step"] == 16, events
+    return events[-1], directory / "ref16.st"
 
 
 def test_two_rank_dcp_checkpoint_registers_restores_and_resumes(
     start_agent: AgentFactory,  # noqa: F811
     tmp_path: Path,
+    reference16: tuple[dict[str, Any], Path],
 ) -> None:
     agent, ssd = start_agent()
     job = ("--server", agent.url, "--root", str(ssd), "--node", NODE)
@@ -119,9 +128,9 @@ def test_two_rank_dcp_checkpoint_registers_restores_and_resumes(
     )
     assert events[0] == {"event": "resumed", "step": 12, "source": "local"}
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [16]
-    reference = uninterrupted(tmp_path, 16)
-    assert events[-1]["sha256"] == reference[-1]["sha256"]
-    ours, theirs = load_file(str(tmp_path / "w16.st")), load_file(str(tmp_path / "ref16.st"))
+    reference, reference_weights = reference16
+    assert events[-1]["sha256"] == reference["sha256"]
+    ours, theirs = load_file(str(tmp_path / "w16.st")), load_file(str(reference_weights))
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
@@ -132,6 +141,7 @@ def test_two_rank_dcp_checkpoint_registers_restores_and_resumes(
 def test_asynchronous_dcp_saves_register_once_written_and_resume_exactly(
     start_agent: AgentFactory,  # noqa: F811
     tmp_path: Path,
+    reference16: tuple[dict[str, Any], Path],
 ) -> None:
     """``save_distributed_async`` (DCP ``async_save`` on a process group of its
     own): training goes on while the files are written; each rank registers
@@ -166,7 +176,6 @@ def test_asynchronous_dcp_saves_register_once_written_and_resume_exactly(
         *job, "--steps", "16", "--final-out", str(tmp_path / "w16.st"), log=tmp_path / "b.log"
     )
     assert events[0] == {"event": "resumed", "step": 12, "source": "region"}
-    reference = uninterrupted(tmp_path, 16)
-    assert events[-1]["sha256"] == reference[-1]["sha256"]
+    assert events[-1]["sha256"] == reference16[0]["sha256"]
     settled = {c["step"]: c["state"] for c in settle(agent.url, RUN)}
     assert settled[16] == "durable"
