@@ -190,6 +190,15 @@ class RegionSettings(BaseModel):
     (503 SlowDown). Recorded in each MANIFEST.json (`key_layout`); manifests
     stay at `<run>/step-…/MANIFEST.json`. Choose it before the region holds
     checkpoints: the agent reads a region with the layout configured."""
+    connect_timeout_seconds: float = Field(10.0, gt=0, le=300)
+    """How long opening a connection to the store may take."""
+    read_timeout_seconds: float = Field(120.0, gt=0, le=3600)
+    """How long the store may stay silent on an open connection."""
+    request_attempts: int = Field(4, ge=1, le=20)
+    """Tries of one request (throttling, 5xx, a refused connection) before
+    the job attempt fails, with the S3 SDK's backoff in between; the job is
+    then retried on `[worker]`'s schedule. Lower it where an unreachable
+    store should fail fast."""
 
     @field_validator("name")
     @classmethod

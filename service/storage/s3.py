@@ -106,9 +106,9 @@ def _client_config(
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         max_pool_connections=pool_size,
-        connect_timeout=10,
-        read_timeout=120,
-        retries={"max_attempts": 4, "mode": "standard"},
+        connect_timeout=settings.connect_timeout_seconds,
+        read_timeout=settings.read_timeout_seconds,
+        retries={"max_attempts": settings.request_attempts, "mode": "standard"},
         region_name=settings.region_name,
     )
 

@@ -133,6 +133,9 @@ def test_dashboard_shows_a_region_outage(
                 "endpoint_url": seaweed_west.endpoint_url,
                 "bucket": west_bucket,
                 "prefix": "ui",
+                # Stopped below: each job attempt fails at once and the
+                # worker's quick backoff retries it (not the SDK's own).
+                "request_attempts": 1,
                 **credentials,
             },
         ],

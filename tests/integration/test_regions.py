@@ -41,12 +41,19 @@ def west_client(seaweed_west: SeaweedServer) -> Any:
 
 
 def two_regions(
-    seaweed: SeaweedServer, east: str, seaweed_west: SeaweedServer, west: str
+    seaweed: SeaweedServer,
+    east: str,
+    seaweed_west: SeaweedServer,
+    west: str,
+    *,
+    west_fails_fast: bool = False,
 ) -> list[dict[str, Any]]:
-    return [
-        s3_region("east", seaweed.endpoint_url, east),
-        s3_region("west", seaweed_west.endpoint_url, west),
-    ]
+    """``west_fails_fast``: for a test that stops west; each job attempt then
+    fails at its first refused request and the worker's backoff retries it."""
+    west_region = s3_region("west", seaweed_west.endpoint_url, west)
+    if west_fails_fast:
+        west_region["request_attempts"] = 1
+    return [s3_region("east", seaweed.endpoint_url, east), west_region]
 
 
 async def replica(agent: Agent, run: str, step: int, region: str) -> dict[str, Any]:
@@ -201,7 +208,7 @@ async def test_region_outage_delays_replication_and_loses_nothing(
     west_bucket: str,
     west_client: Any,
 ) -> None:
-    regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket)
+    regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket, west_fails_fast=True)
     async with running_agent(catalog_url, tmp_path, regions) as agent:
         seaweed_west.stop()
         try:
@@ -313,7 +320,7 @@ async def test_fan_out_that_gives_up_falls_back_to_replication(
     west_bucket: str,
     west_client: Any,
 ) -> None:
-    regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket)
+    regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket, west_fails_fast=True)
     worker = {"max_attempts": 2, "backoff_base": 0.1, "backoff_max": 0.5, "poll_interval": 0.05}
     async with running_agent(catalog_url, tmp_path, regions, worker=worker) as agent:
         seaweed_west.stop()
