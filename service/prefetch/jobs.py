@@ -8,7 +8,7 @@ reads no byte); every other file is streamed from the regions holding a
 committed copy, the primary first, the next one when a region fails or
 serves bytes that do not hash to the catalog (``fetch.py``). A file a killed
 attempt already put in place is re-hashed locally, not fetched again. The
-marker goes last, then the job completes and T0 retention runs for the run:
+marker goes last, then T0 retention runs for the run and the job completes:
 prefetched copies count in ``[local] keep_last`` like the node's own.
 
 No catalog transaction is open during the I/O (write_gate.py): the plan is
@@ -120,6 +120,10 @@ class PrefetchJobs:
         fetched = 0
         if not needed <= there.keys():
             fetched = await self._copy(plan, directory, needed)
+        # The new copy counts in [local] keep_last: older ones of the run go,
+        # before the job says it is done (whoever waits on it then finds the
+        # node's T0 as retention leaves it).
+        await evict_local_copies(self.r, plan.run_id)
         async with transaction(self.r.sessionmaker) as session:
             await queue.complete(session, job)
         log.info(
@@ -128,8 +132,6 @@ class PrefetchJobs:
             plan.step,
             fetched,
         )
-        # The new copy counts in [local] keep_last: older ones of the run go.
-        await evict_local_copies(self.r, plan.run_id)
 
     async def _copy(self, plan: _Plan, directory: Path, ranks: set[int]) -> int:
         """Put every file of ``ranks`` in ``directory``, verified, then the
