@@ -183,6 +183,17 @@ def _commit(staging: Path, dest: Path) -> None:
 Staged = dict[PurePosixPath, tuple[int, str] | None]
 
 
+def _staging_next_to(target: Path) -> tuple[Path, list[Path]]:
+    """``_make_staging``, its failure said as the destination's fault."""
+    try:
+        return _make_staging(target)
+    except OSError as exc:
+        raise DestinationError(
+            f"cannot create a staging directory next to {target}: {exc.strerror or exc}",
+            code="dest_unusable",
+        ) from exc
+
+
 def _make_staging(target: Path) -> tuple[Path, list[Path]]:
     """The staging directory, and the parents of ``dest`` created for it
     (deepest first), so a failed restore can take those away too."""
@@ -305,13 +316,7 @@ async def restore_from_plan(
     # ...and a destination that cannot hold it: better now than at 90 %.
     await in_thread(check_free_space, target, [f.size for f, _ in layouts[0]], name)
 
-    try:
-        staging, created_parents = _make_staging(target)
-    except OSError as exc:
-        raise DestinationError(
-            f"cannot create a staging directory next to {target}: {exc.strerror or exc}",
-            code="dest_unusable",
-        ) from exc
+    staging, created_parents = _staging_next_to(target)
     # Relative path -> (size, sha256) once verified, None while partial.
     staged: Staged = {}
     failures: list[str] = []
@@ -390,13 +395,7 @@ def restore_from_local(
         sources[f.rank] = Path(directory)
     target = check_destination(dest)
     check_free_space(target, [f.size for f, _ in layout], name)
-    try:
-        staging, created_parents = _make_staging(target)
-    except OSError as exc:
-        raise DestinationError(
-            f"cannot create a staging directory next to {target}: {exc.strerror or exc}",
-            code="dest_unusable",
-        ) from exc
+    staging, created_parents = _staging_next_to(target)
     meter = _Meter(progress, 0, sum(f.size for f, _ in layout))
     try:
         for f, rel in layout:

@@ -185,18 +185,24 @@ async def claim(
     statement = (
         update(Job)
         .where(Job.id == runnable)
-        .values(
-            state=JobState.RUNNING,
-            lease_token=secrets.token_hex(16),
-            lease_owner=owner,
-            lease_expires_at=now + timedelta(seconds=lease_seconds),
-            attempts=Job.attempts + 1,
-            updated_at=now,
-        )
+        .values(**_taken(owner, lease_seconds, now))
         .returning(Job)
         .execution_options(synchronize_session=False)
     )
     return (await session.scalars(statement)).one_or_none()
+
+
+def _taken(owner: str, lease_seconds: float, now: datetime) -> dict[str, Any]:
+    """The columns of a job that an agent starts: running, leased to it, one
+    more attempt."""
+    return {
+        "state": JobState.RUNNING,
+        "lease_token": secrets.token_hex(16),
+        "lease_owner": owner,
+        "lease_expires_at": now + timedelta(seconds=lease_seconds),
+        "attempts": Job.attempts + 1,
+        "updated_at": now,
+    }
 
 
 async def claim_queued(
@@ -209,14 +215,7 @@ async def claim_queued(
     statement = (
         update(Job)
         .where(Job.id == job_id, Job.state == JobState.QUEUED, Job.run_after <= now)
-        .values(
-            state=JobState.RUNNING,
-            lease_token=secrets.token_hex(16),
-            lease_owner=owner,
-            lease_expires_at=now + timedelta(seconds=lease_seconds),
-            attempts=Job.attempts + 1,
-            updated_at=now,
-        )
+        .values(**_taken(owner, lease_seconds, now))
         .returning(Job)
         .execution_options(synchronize_session=False)
     )
