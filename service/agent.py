@@ -7,12 +7,11 @@
 * the worker with a handler for every job kind (jobs/kinds.py), unless the
   agent runs without one (``[worker] enabled = false``, or a test);
 * the periodic passes: the scrubber (``[scrub]``) and the retention sweeper;
-* with ``[worker] separate_process`` (`tierckpt serve`; by default with a
-  PostgreSQL catalog), the worker and the passes run in a child process
-  instead (worker_process.py), so that their Python does not hold up the
-  requests and the registration writer on this process's loop; here a
-  ``WorkerChild`` stands for them, supervised alike (the child exiting
-  unasked is the worker dying).
+* with ``[worker] separate_process`` (`tierckpt serve`, by default), the
+  worker and the passes run in a child process instead (worker_process.py),
+  so that their Python does not hold up the requests and the registration
+  writer on this process's loop; here a ``WorkerChild`` stands for them,
+  supervised alike (the child exiting unasked is the worker dying).
 
 ``start()`` runs the worker and the passes as supervised tasks: a task that
 ends while the agent is running (it never should; their own errors are
@@ -67,11 +66,8 @@ class Failure:
 
 
 def _separate(settings: Settings) -> bool:
-    """``[worker] separate_process``, ``auto`` resolved by the catalog's kind."""
-    choice = settings.worker.separate_process
-    if choice == "auto":
-        return not settings.catalog.url.startswith("sqlite")
-    return choice == "yes"
+    """``[worker] separate_process`` (``auto``: yes)."""
+    return settings.worker.separate_process != "no"
 
 
 class AgentProcess:

@@ -22,7 +22,8 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
-from .write_gate import READ_ONLY, gated, raising_urgent
+from .sqlite_driver import connector
+from .write_gate import READ_ONLY, raising_urgent
 
 # PostgreSQL: how long opening a connection, and any one statement of the
 # service, may take before the catalog counts as unreachable (503 to the
@@ -53,10 +54,15 @@ def create_engine(url: str, *, bounded: bool = False, **kwargs: Any) -> AsyncEng
             **kwargs,
         )
 
-    if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_async_engine(url, connect_args={"timeout": 30}, **kwargs)
-    _sqlite_transactions(engine.sync_engine)
+    if not parsed.database or parsed.database == ":memory:":
+        engine = create_async_engine(url, connect_args={"timeout": 30}, **kwargs)
+        _sqlite_transactions(engine.sync_engine, synchronous="FULL")
+        return engine
+    Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    # Write transactions inline on the loop, the commit's fsync after the
+    # lock (sqlite_driver.py, wal_sync.py).
+    engine = create_async_engine(url, async_creator=connector(parsed.database), **kwargs)
+    _sqlite_transactions(engine.sync_engine, synchronous="NORMAL")
     return engine
 
 
@@ -68,7 +74,10 @@ def create_sync_engine(
     (the registration writer, hot reads); None for PostgreSQL or an
     in-memory database. ``eager_lock``: its transactions ask for the write
     lock again every fraction of a millisecond while another process holds
-    it (``_begin_eagerly``), not on SQLite's busy-handler schedule."""
+    it (``_begin_eagerly``), not on SQLite's busy-handler schedule; it runs
+    at ``synchronous=NORMAL`` with no autocheckpoint, as the async engine's
+    connections (wal_sync.py): after its commit, the caller waits for
+    ``wal_sync_for(database).sync()``."""
     url = engine.url
     if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
         return None
@@ -78,7 +87,7 @@ def create_sync_engine(
         pool_size=pool_size,
         max_overflow=1,
     )
-    _sqlite_transactions(sync, eager_lock=eager_lock)
+    _sqlite_transactions(sync, eager_lock=eager_lock, synchronous="NORMAL")
     return sync
 
 
@@ -135,18 +144,24 @@ def create_sync_readers(engine: AsyncEngine) -> sessionmaker[Session] | None:
     return sessionmaker(sync.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
 
-def _sqlite_transactions(engine: Engine, *, eager_lock: bool = False) -> None:
+def _sqlite_transactions(
+    engine: Engine, *, synchronous: str, eager_lock: bool = False
+) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take transaction control from the driver so BEGIN IMMEDIATE below is
         # what actually starts a transaction.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        # WAL lets readers run beside the one writer; FULL makes each commit
-        # survive power loss, not only a killed process; foreign keys so
+        # WAL lets readers run beside the one writer; each commit survives
+        # power loss, not only a killed process: at FULL SQLite fsyncs in
+        # COMMIT, at NORMAL the service does after it, the lock released
+        # (wal_sync.py), and checkpoints on its own thread; foreign keys so
         # ON DELETE CASCADE holds as on PostgreSQL.
         cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute(f"PRAGMA synchronous={synchronous}")
+        if synchronous == "NORMAL":
+            cursor.execute("PRAGMA wal_autocheckpoint=0")
         cursor.execute("PRAGMA foreign_keys=ON")
         # An eager-lock engine waits for the write lock itself (_begin_eagerly);
         # its statements inside a transaction never wait: it holds the lock.
@@ -267,9 +282,11 @@ async def transaction(
 ) -> AsyncIterator[AsyncSession]:
     """One unit of work: commit on success, roll back on any error.
 
-    On SQLite it holds the process's write gate (write_gate.py) for its whole
-    length: keep it short, with no store or file I/O inside."""
-    async with gated(sessionmaker), sessionmaker() as session, session.begin():
+    On SQLite its statements run inline on the event loop, holding the
+    process's write gate and the database's write lock (sqlite_driver.py):
+    keep it short, with no store or file I/O and no await on other work
+    inside."""
+    async with sessionmaker() as session, session.begin():
         yield session
 
 

@@ -37,15 +37,14 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
-import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
-from sqlalchemy.pool import Pool
 
 # Execution option of the engines that only read (db.create_read_sessionmaker):
 # they take no write lock on SQLite, so no gate either.
@@ -60,17 +59,18 @@ class WriteGate:
 
     @asynccontextmanager
     async def hold(self, *, urgent: bool = False) -> AsyncIterator[None]:
-        await self._acquire(urgent)
+        await self.acquire(urgent=urgent)
         try:
             yield
         finally:
-            self._release()
+            self.release()
 
     @property
     def waiting(self) -> int:
         return sum(not f.done() for f in (*self._urgent, *self._background))
 
-    async def _acquire(self, urgent: bool) -> None:
+    async def acquire(self, *, urgent: bool = False) -> None:
+        """Wait for the gate; pair with ``release`` (or use ``hold``)."""
         if not self._held and not self.waiting:
             self._held = True
             return
@@ -80,10 +80,10 @@ class WriteGate:
             await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
-                self._release()  # granted as we were cancelled: pass it on
+                self.release()  # granted as we were cancelled: pass it on
             raise
 
-    def _release(self) -> None:
+    def release(self) -> None:
         for queue in (self._urgent, self._background):
             while queue:
                 future = queue.popleft()
@@ -142,7 +142,9 @@ def raising_urgent() -> UrgentFlag | None:
     return _URGENT.get("raise")
 
 
-async def _yield_to_agent() -> None:
+async def yield_to_agent() -> None:
+    """In the worker process, before a background write transaction begins:
+    wait while the agent's registration writer wants the lock."""
     flag = _URGENT.get("yield")
     if flag is None or not flag.raised():
         return
@@ -152,22 +154,32 @@ async def _yield_to_agent() -> None:
         await asyncio.sleep(0.0002)
 
 
-_GATES: weakref.WeakKeyDictionary[Pool, WriteGate] = weakref.WeakKeyDictionary()
+_GATES: dict[Path, WriteGate] = {}
+
+
+def gate_for(database: str | os.PathLike[str]) -> WriteGate:
+    """The gate of one SQLite database file in this process (its driver
+    takes it at BEGIN IMMEDIATE: sqlite_driver.py)."""
+    path = Path(database).resolve()
+    gate = _GATES.get(path)
+    if gate is None:
+        gate = _GATES[path] = WriteGate()
+    return gate
 
 
 def gate_of(bind: AsyncEngine | Engine | Any) -> WriteGate | None:
     """The gate of the SQLite database behind ``bind`` (an engine, possibly
-    with execution options); None on PostgreSQL and for read-only binds."""
+    with execution options); None on PostgreSQL, in-memory databases and
+    read-only binds."""
     sync = bind.sync_engine if isinstance(bind, AsyncEngine) else bind
     if not isinstance(sync, Engine) or sync.dialect.name != "sqlite":
         return None
     if sync.get_execution_options().get(READ_ONLY):
         return None
-    pool = sync.pool  # shared by the engine and its execution-options proxies
-    gate = _GATES.get(pool)
-    if gate is None:
-        gate = _GATES[pool] = WriteGate()
-    return gate
+    database = sync.url.database
+    if not database or database == ":memory:":
+        return None
+    return gate_for(database)
 
 
 @asynccontextmanager
@@ -181,5 +193,5 @@ async def gated(
         return
     async with gate.hold(urgent=urgent):
         if not urgent:
-            await _yield_to_agent()
+            await yield_to_agent()
         yield

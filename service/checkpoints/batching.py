@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -43,6 +44,7 @@ from ..db import create_sync_engine
 from ..errors import Conflict, is_catalog_outage
 from ..observability import metrics
 from ..resources import Resources
+from ..wal_sync import wal_sync_for
 from ..write_gate import gated
 from .batch_write import Outcome, Raced, Registration, write_batch
 from .register_timing import BatchTiming, Phases
@@ -74,6 +76,9 @@ class RegistrationBatcher:
         # Eager lock: the worker may run in another process (worker_process.py),
         # where the write gate does not put the registrations first.
         self._sync_engine = create_sync_engine(self.engine, eager_lock=True)
+        # Its own thread: the default executor may be queued with the
+        # uploads' file reads and hashing.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-register")
         self.batches = 0  # statistics, for tests and logs
         self.largest_batch = 0
 
@@ -85,6 +90,7 @@ class RegistrationBatcher:
             await asyncio.gather(writer, return_exceptions=True)
         if self._sync_engine is not None:
             self._sync_engine.dispose()
+        self._thread.shutdown(wait=False)
 
     async def submit(self, registration: Registration) -> Outcome:
         """Queue one registration; returns once its batch is committed."""
@@ -202,8 +208,9 @@ class RegistrationBatcher:
             waited = time.perf_counter()
             async with gated(self.r.sessionmaker, urgent=True):
                 phases.add("gate", time.perf_counter() - waited)
-                return await asyncio.to_thread(
-                    self._sync_transaction, self._sync_engine, items, phases
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(
+                    self._thread, self._sync_transaction, self._sync_engine, items, phases
                 )
         began = time.perf_counter()
         async with self.engine.connect() as conn:
@@ -228,5 +235,10 @@ class RegistrationBatcher:
                 out = write_batch(conn, items, self.r, self._run_ids)
                 committing = time.perf_counter()
                 phases.add("write", committing - wrote)
-            phases.add("commit", time.perf_counter() - committing)
-            return out
+            synced = time.perf_counter()
+            phases.add("commit", synced - committing)
+        # COMMIT released the lock (synchronous=NORMAL); the answer waits for
+        # the WAL on disk (wal_sync.py), the worker's writers no longer do.
+        wal_sync_for(engine.url.database or "").sync()
+        phases.add("sync", time.perf_counter() - synced)
+        return out

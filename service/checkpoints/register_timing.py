@@ -5,7 +5,7 @@ apart: the scan of its files, the queue of the group commit (batching.py)
 while an earlier batch commits, the catalog (SQLite: the in-process write
 gate, then the database's write lock that a background transaction or the
 worker process may hold; PostgreSQL: a pooled connection), its statements,
-and the commit (the fsync of the catalog's disk). When register latency
+the commit, and on SQLite the fsync of the WAL after it (wal_sync.py). When register latency
 grows under upload load, these say which of them grew. The benchmark reads
 them from the request log (benchmarks/scenarios/register_latency.py).
 """
@@ -19,7 +19,7 @@ from ..observability import metrics
 from ..observability.context import note_request
 
 # The writer's phases, in the order a batch goes through them.
-PHASES = ("gate", "lock", "write", "commit")
+PHASES = ("gate", "lock", "write", "commit", "sync")
 
 
 @dataclass
