@@ -1,8 +1,8 @@
 """The agent's background work: the job worker and the periodic passes.
 
 Built here once for both places it runs: inside the agent's own process
-(``[worker] separate_process``: by default with a SQLite catalog, and the
-tests that drive an app in process) or in the worker's child process
+(``[worker] separate_process = "no"``, and the tests that drive an app in
+process) or in the worker's child process
 (worker_process.py), which keeps the agent's event loop and GIL for the
 requests and the registration writer.
 """

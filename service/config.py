@@ -305,11 +305,10 @@ class WorkerSettings(BaseModel):
     (scrub, retention) in a child process of the agent, with its own event
     loop and GIL, so the Python of uploads, replication and verification
     does not delay a registration or a `latest`. The child dies with the
-    agent. `auto`: yes with a PostgreSQL catalog (measured under upload load
-    on 2 cores: register p50 16 -> 6 ms, p99 67 -> 19 ms; `latest` p99 31 ->
-    14 ms), no with SQLite, where the two processes would take turns at the
-    one write lock and both fsync the same disk (register p99 28 -> 43 ms,
-    measured)."""
+    agent. `auto` (the default) means yes, with either catalog: on SQLite
+    the two processes share the one write lock, which each transaction
+    holds only for its statements (the commit's fsync comes after it);
+    benchmarks/README.md has the figures. `no`: in the agent's process."""
     process_nice: int = Field(10, ge=0, le=19)
     """Niceness added to the worker process (`nice`): when the agent and its
     worker both want a CPU, the agent's requests get it first. Uploads still

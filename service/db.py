@@ -144,9 +144,7 @@ def create_sync_readers(engine: AsyncEngine) -> sessionmaker[Session] | None:
     return sessionmaker(sync.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
 
-def _sqlite_transactions(
-    engine: Engine, *, synchronous: str, eager_lock: bool = False
-) -> None:
+def _sqlite_transactions(engine: Engine, *, synchronous: str, eager_lock: bool = False) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take transaction control from the driver so BEGIN IMMEDIATE below is
@@ -212,6 +210,22 @@ def create_read_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSes
     )
     _ping_when_idle(readers, READ_PING_AFTER_IDLE)
     return async_sessionmaker(readers, expire_on_commit=False)
+
+
+def create_writer_engine(engine: AsyncEngine) -> AsyncEngine | None:
+    """PostgreSQL: a small engine of its own for the registration writer,
+    whose connections are pinged only after sitting idle (``_ping_when_idle``)
+    rather than at every checkout as the main engine's (pool_pre_ping): the
+    ping was a round trip of every registration, each waiting for a CPU on a
+    busy node. None on SQLite (the writer has its own engine there:
+    ``create_sync_engine``). Dispose of it with the batcher."""
+    if engine.dialect.name != "postgresql":
+        return None
+    writer = create_async_engine(
+        engine.url, pool_size=1, max_overflow=2, connect_args=_bounded_connect_args()
+    )
+    _ping_when_idle(writer, READ_PING_AFTER_IDLE)
+    return writer
 
 
 # A pooled read connection used less than this long ago is handed out without

@@ -36,8 +36,8 @@ longer orders the child's transactions behind the registrations, so the
 registration writer waits for the write lock on its own terms
 (``db.create_sync_engine(..., eager_lock=True)``) and raises a flag in
 shared memory meanwhile, which the child's transactions yield to before
-they begin (write_gate.UrgentFlag); the child's transactions stay short as
-before (no I/O inside).
+they begin (write_gate.UrgentFlag); the child's transactions hold the lock
+for their statements only (sqlite_driver.py: inline, the fsync after).
 """
 
 from __future__ import annotations

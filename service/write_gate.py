@@ -13,6 +13,11 @@ waits for at most the one background transaction already running, which is
 why background transactions must stay short: no I/O, no await on other work
 while the gate is held.
 
+Who takes it: the service's SQLite driver (sqlite_driver.py) at every BEGIN
+IMMEDIATE of the async engine, released when that transaction's COMMIT or
+ROLLBACK ends it, before the commit's fsync (wal_sync.py); the registration
+writer, urgent, around its transaction on its own thread (``gated``).
+
 The gate orders writers of this process only; another process on the same
 file (a second agent, a CLI command) still meets the busy handler, which
 remains the fallback. Between the agent and its worker process

@@ -448,7 +448,8 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "listing), queued (behind an earlier batch of the group commit), gate (SQLite: the "
         "in-process write gate), lock (SQLite: the database's write lock, held by a background "
         "transaction or the worker process; PostgreSQL: a pooled connection), write (the "
-        "statements), commit (PostgreSQL: with its WAL flush; SQLite: the COMMIT, which releases the lock), sync (SQLite: the fsync of the WAL after it).",
+        "statements), commit (PostgreSQL: with its WAL flush; SQLite: the COMMIT, which "
+        "releases the lock), sync (SQLite: the fsync of the WAL after it).",
         f"load thread: {json.dumps(load_totals)}",
     ]
     return rows, notes, {"count": count, "rounds": results, "load": load_totals}

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..db import create_sync_engine
+from ..db import create_sync_engine, create_writer_engine
 from ..errors import Conflict, is_catalog_outage
 from ..observability import metrics
 from ..resources import Resources
@@ -76,6 +76,7 @@ class RegistrationBatcher:
         # Eager lock: the worker may run in another process (worker_process.py),
         # where the write gate does not put the registrations first.
         self._sync_engine = create_sync_engine(self.engine, eager_lock=True)
+        self._writer_engine = create_writer_engine(self.engine)
         # Its own thread: the default executor may be queued with the
         # uploads' file reads and hashing.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-register")
@@ -90,6 +91,8 @@ class RegistrationBatcher:
             await asyncio.gather(writer, return_exceptions=True)
         if self._sync_engine is not None:
             self._sync_engine.dispose()
+        if self._writer_engine is not None:
+            await self._writer_engine.dispose()
         self._thread.shutdown(wait=False)
 
     async def submit(self, registration: Registration) -> Outcome:
@@ -213,7 +216,7 @@ class RegistrationBatcher:
                     self._thread, self._sync_transaction, self._sync_engine, items, phases
                 )
         began = time.perf_counter()
-        async with self.engine.connect() as conn:
+        async with (self._writer_engine or self.engine).connect() as conn:
             phases.add("lock", time.perf_counter() - began)
             async with conn.begin():
                 wrote = time.perf_counter()
