@@ -85,7 +85,7 @@ def connector(database: str, *, timeout: float = LOCK_WAIT) -> Callable[[], Any]
 
         loop = asyncio.get_running_loop()
         connection = await loop.run_in_executor(_reads(), opened)
-        return InlineConnection(connection, gate_for(path), wal_sync_for(path), timeout)
+        return InlineConnection(connection, path, wal_sync_for(path), timeout)
 
     return connect
 
@@ -106,12 +106,13 @@ class InlineConnection:
     """What SQLAlchemy's aiosqlite adapter uses of an ``aiosqlite.Connection``."""
 
     def __init__(
-        self, connection: sqlite3.Connection, gate: WriteGate, wal: WalSync, timeout: float
+        self, connection: sqlite3.Connection, path: Path, wal: WalSync, timeout: float
     ) -> None:
         self._conn = connection
         self._connection: sqlite3.Connection | None = connection
         self._tx = _Immediately()
-        self._gate = gate
+        self._path = path
+        self._gate: WriteGate | None = None  # held: the running loop's gate of this file
         self._wal = wal
         self._timeout = timeout
         self._writing = False  # in a write transaction: holds the gate and the lock
@@ -131,11 +132,18 @@ class InlineConnection:
         """The write transaction ended (COMMIT or ROLLBACK, also as SQL, or
         an error that rolled it back): the gate goes to the next writer."""
         if self._writing and not self._conn.in_transaction:
-            self._writing = False
-            self._gate.release()
+            self._release()
+
+    def _release(self) -> None:
+        self._writing = False
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.release()
 
     async def _begin_immediate(self, cursor: sqlite3.Cursor, sql: str) -> sqlite3.Cursor:
-        await self._gate.acquire()
+        gate = gate_for(self._path)
+        await gate.acquire()
+        self._gate = gate
         try:
             await yield_to_agent()
             loop = asyncio.get_running_loop()
@@ -158,7 +166,7 @@ class InlineConnection:
         except BaseException:
             if self._conn.in_transaction:
                 self._conn.rollback()
-            self._gate.release()
+            self._release()
             raise
         self._writing = True
         return cursor
@@ -193,18 +201,14 @@ class InlineConnection:
         if self._connection is None:
             return
         self._connection = None
-        if self._writing:
-            self._writing = False
-            self._gate.release()
+        self._release()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(_reads(), self._conn.close)
 
     def stop(self) -> None:
         """Forced close (SQLAlchemy's terminate)."""
         self._connection = None
-        if self._writing:
-            self._writing = False
-            self._gate.release()
+        self._release()
         self._conn.close()
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -159,16 +160,25 @@ async def yield_to_agent() -> None:
         await asyncio.sleep(0.0002)
 
 
-_GATES: dict[Path, WriteGate] = {}
+# Per event loop: a gate's futures belong to one loop. Two loops of one
+# process on the same file (a test's and an in-process app's) do not share
+# a gate; SQLite's lock orders them, as it orders two processes.
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Path, WriteGate]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def gate_for(database: str | os.PathLike[str]) -> WriteGate:
-    """The gate of one SQLite database file in this process (its driver
-    takes it at BEGIN IMMEDIATE: sqlite_driver.py)."""
+    """The gate of one SQLite database file for the running event loop (the
+    driver takes it at BEGIN IMMEDIATE: sqlite_driver.py)."""
+    loop = asyncio.get_running_loop()
+    gates = _GATES.get(loop)
+    if gates is None:
+        gates = _GATES[loop] = {}
     path = Path(database).resolve()
-    gate = _GATES.get(path)
+    gate = gates.get(path)
     if gate is None:
-        gate = _GATES[path] = WriteGate()
+        gate = gates[path] = WriteGate()
     return gate
 
 

@@ -38,6 +38,7 @@ from ..models import (
 )
 from ..resources import Resources
 from ..storage import layout
+from . import fresh_batch
 from .presenter import Listing, NewCheckpoint, NewShard, checkpoint_out
 from .register_timing import BatchTiming
 from .repository import ReplicaRow
@@ -198,8 +199,15 @@ def _run_ids_of(
 
 
 def write_batch(
-    conn: Connection, items: list[Registration], resources: Resources, known_runs: dict[str, int]
+    conn: Connection,
+    items: list[Registration],
+    resources: Resources,
+    known_runs: dict[str, int],
+    assume_new: bool = False,
 ) -> tuple[list[Outcome | BaseException], dict[str, int]]:
+    """The batch in the open transaction of ``conn``. ``assume_new``
+    (PostgreSQL): every checkpoint is taken to be new, written in one
+    statement (fresh_batch.py), ``NotAllNew`` raised if one was not."""
     settings = resources.settings
     node = settings.server.node
     is_pg = conn.dialect.name == "postgresql"
@@ -213,12 +221,19 @@ def write_batch(
     plans: dict[tuple[int, int], _Planned] = {}
     names = {run_id: name for name, run_id in run_ids.items()}
     wanted = set(keys)
-    existing = conn.execute(
-        _EXISTING_LOCKED if is_pg else _EXISTING,
-        {
-            "run_ids": sorted({run_id for run_id, _ in keys}),
-            "steps": sorted({step for _, step in keys}),
-        },
+    # A parent in the same batch: its children are read after the inserts
+    # (the one statement's snapshot would not see them).
+    fresh = assume_new and is_pg and not _parent_in_batch(items)
+    existing = (
+        ()
+        if fresh
+        else conn.execute(
+            _EXISTING_LOCKED if is_pg else _EXISTING,
+            {
+                "run_ids": sorted({run_id for run_id, _ in keys}),
+                "steps": sorted({step for _, step in keys}),
+            },
+        )
     )
     for row in existing:
         key = (row.run_id, row.step)
@@ -267,11 +282,13 @@ def write_batch(
             continue
         idempotent.append((index, plan))
 
-    _insert(resources, conn, inserts, plans, now, node)
-
     # Build the answers. A checkpoint created by this batch is answered
     # from what was written; anything older is read back by the caller.
-    children = _children(conn, [p for p in plans.values() if p.new and p.added])
+    if fresh:
+        children = _insert_fresh(resources, conn, plans, now, node)
+    else:
+        _insert(resources, conn, inserts, plans, now, node)
+        children = _children(conn, [p for p in plans.values() if p.new and p.added])
     records: dict[tuple[int, int], CheckpointOut] = {}
     for plan in plans.values():
         if plan.new and plan.added:
@@ -286,6 +303,110 @@ def write_batch(
         assert result is not None
         done.append(result)
     return done, new_runs
+
+
+def _parent_in_batch(items: list[Registration]) -> bool:
+    steps = {(i.request.run, i.request.step) for i in items}
+    return any(
+        (i.request.parent.run, i.request.parent.step) in steps
+        for i in items
+        if i.request.parent is not None
+    )
+
+
+def _insert_fresh(
+    resources: Resources,
+    conn: Connection,
+    plans: dict[tuple[int, int], _Planned],
+    now: Any,
+    node: str,
+) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    """The batch's new checkpoints in one statement (fresh_batch.py): the
+    same rows as ``_insert``; returns their children."""
+    settings = resources.settings
+    ordered = [plans[key] for key in sorted(plans) if plans[key].added]
+    checkpoints: list[dict[str, Any]] = []
+    replicas: list[dict[str, Any]] = []
+    shards: list[dict[str, Any]] = []
+    files: list[dict[str, Any]] = []
+    jobs: list[dict[str, Any]] = []
+    for k, plan in enumerate(ordered):
+        first = plan.first
+        assert first is not None and plan.new
+        checkpoints.append(
+            {
+                "k": k,
+                "run": plan.run,
+                "run_id": plan.key[0],
+                "step": plan.key[1],
+                "state": CheckpointState.REGISTERED.value,
+                "world_size": first.world_size,
+                "epoch": first.epoch,
+                "priority": plan.priority,
+                "metrics": first.metrics,
+                "metadata": first.metadata,
+                "parent_run": first.parent.run if first.parent else None,
+                "parent_step": first.parent.step if first.parent else None,
+                "write_seconds": first.write_seconds,
+                "total_bytes": sum(r.scanned.total_bytes for _, r in plan.added),
+                "file_count": sum(len(r.scanned.files) for _, r in plan.added),
+            }
+        )
+        replicas.extend(
+            {"k": k, "region": region, "uri": store.uri(layout.step_prefix(plan.run, plan.key[1]))}
+            for region, store in resources.stores.items()
+        )
+        for _, reg in plan.added:
+            rank = reg.request.rank
+            # An urgent registration of the same content later in the batch
+            # promotes the checkpoint's jobs (``_promote`` on the full way).
+            priority = PRIORITY["urgent" if plan.promote else reg.request.priority]
+            shards.append(
+                {
+                    "k": k,
+                    "rank": rank,
+                    "node": node,
+                    "path": str(reg.scanned.directory),
+                    "is_directory": reg.scanned.is_directory,
+                    "fingerprint": reg.fingerprint,
+                }
+            )
+            files.extend(
+                {
+                    "k": k,
+                    "rank": rank,
+                    "path": f.path,
+                    "size": f.size,
+                    "mtime_ns": f.mtime_ns,
+                    "expected_sha256": reg.hashes.get(f.path),
+                }
+                for f in reg.scanned.files
+            )
+            # Ids and dedupe keys are filled in by the statement.
+            rows = [
+                kinds.upload_row(
+                    0,
+                    shard_id=0,
+                    region=settings.primary_region.name,
+                    node=node,
+                    mode=kinds.UploadMode.PRIMARY,
+                    worker=settings.worker,
+                    priority=priority,
+                    now=now,
+                )
+            ]
+            if settings.peers.copies:
+                rows.append(
+                    kinds.peer_push_row(0, shard_id=0, node=node, priority=priority, now=now)
+                )
+            jobs.extend({"k": k, "rank": rank, **row} for row in rows)
+    written = fresh_batch.write(conn, checkpoints, replicas, shards, files, jobs, now)
+    children: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for k, plan in enumerate(ordered):
+        plan.id, plan_children = written[k]
+        if plan_children:
+            children[(plan.run, plan.key[1])] = plan_children
+    return children
 
 
 def _decide(plan: _Planned, index: int, item: Registration) -> None:

@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy.engine import Engine
@@ -47,6 +48,7 @@ from ..resources import Resources
 from ..wal_sync import wal_sync_for
 from ..write_gate import gated
 from .batch_write import Outcome, Raced, Registration, write_batch
+from .fresh_batch import NotAllNew
 from .register_timing import BatchTiming, Phases
 
 log = logging.getLogger("tierckpt.register")
@@ -59,6 +61,9 @@ MAX_BATCH = 128
 MAX_RACES = 3
 # Run name -> id, for runs known to be committed (runs are never deleted).
 RUN_CACHE_SIZE = 10_000
+# Checkpoints this writer saw committed, remembered so that their other
+# ranks skip the one-statement attempt that would find them (PostgreSQL).
+EXISTING_CACHE_SIZE = 4096
 
 
 class RegistrationBatcher:
@@ -80,6 +85,12 @@ class RegistrationBatcher:
         # Its own thread: the default executor may be queued with the
         # uploads' file reads and hashing.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-register")
+        # (run, step) of checkpoints known to exist, newest last.
+        self._existing: OrderedDict[tuple[str, int], None] = OrderedDict()
+        # PostgreSQL: try new checkpoints in one statement (fresh_batch.py).
+        self.one_statement = self._writer_engine is not None
+        self.fresh_batches = 0  # batches written in one statement
+        self.fresh_misses = 0  # one-statement attempts that found a checkpoint
         self.batches = 0  # statistics, for tests and logs
         self.largest_batch = 0
 
@@ -172,9 +183,18 @@ class RegistrationBatcher:
     async def _write_retrying(
         self, items: list[Registration], phases: Phases
     ) -> list[Outcome | BaseException]:
+        # PostgreSQL: a batch of checkpoints not known to exist is written in
+        # one statement first (fresh_batch.py), the full way if one did.
+        assume_new = self.one_statement and not any(
+            (item.request.run, item.request.step) in self._existing for item in items
+        )
         for attempt in range(MAX_RACES + 1):
             try:
-                results, new_runs = await self._transaction(items, phases)
+                results, new_runs = await self._transaction(items, phases, assume_new)
+            except NotAllNew:
+                self.fresh_misses += 1
+                assume_new = False
+                continue
             except Raced:
                 self._run_ids.clear()
                 if attempt == MAX_RACES:
@@ -183,6 +203,14 @@ class RegistrationBatcher:
                         code="concurrent_change",
                     ) from None
                 continue
+            self.fresh_batches += assume_new
+            # Committed: these checkpoints exist now (later ranks of theirs
+            # skip the one-statement attempt).
+            for item in items:
+                self._existing[(item.request.run, item.request.step)] = None
+                self._existing.move_to_end((item.request.run, item.request.step))
+            while len(self._existing) > EXISTING_CACHE_SIZE:
+                self._existing.popitem(last=False)
             # Committed: only now may the new runs' ids be trusted.
             if len(self._run_ids) + len(new_runs) > RUN_CACHE_SIZE:
                 self._run_ids.clear()
@@ -196,7 +224,7 @@ class RegistrationBatcher:
         raise AssertionError("unreachable")
 
     async def _transaction(
-        self, items: list[Registration], phases: Phases
+        self, items: list[Registration], phases: Phases, assume_new: bool = False
     ) -> tuple[list[Outcome | BaseException], dict[str, int]]:
         """One transaction, committed on return.
 
@@ -220,7 +248,7 @@ class RegistrationBatcher:
             phases.add("lock", time.perf_counter() - began)
             async with conn.begin():
                 wrote = time.perf_counter()
-                out = await conn.run_sync(write_batch, items, self.r, self._run_ids)
+                out = await conn.run_sync(write_batch, items, self.r, self._run_ids, assume_new)
                 phases.add("write", time.perf_counter() - wrote)
                 committing = time.perf_counter()
             phases.add("commit", time.perf_counter() - committing)

@@ -85,11 +85,22 @@ async def test_a_cancelled_waiter_does_not_keep_the_gate() -> None:
             pass
 
 
-def test_only_sqlite_writers_have_a_gate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_only_sqlite_writers_have_a_gate(tmp_path) -> None:  # type: ignore[no-untyped-def]
     engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}")
     gate = gate_of(engine)
     assert gate is not None
+    # The same file through another engine (the registration writer's): the same gate.
+    assert gate_of(create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}")) is gate
     # The same database through an options proxy: the same gate.
     assert gate_of(engine.execution_options(isolation_level="SERIALIZABLE")) is gate
     assert gate_of(engine.execution_options(**{READ_ONLY: True})) is None
     assert gate_of(create_async_engine("postgresql+asyncpg://u@127.0.0.1/x")) is None
+
+
+def test_each_event_loop_has_its_own_gate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A gate's futures belong to one loop: another loop gets its own.
+    async def gate() -> WriteGate | None:
+        return gate_of(create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}"))
+
+    first, second = asyncio.run(gate()), asyncio.run(gate())
+    assert first is not None and second is not None and first is not second

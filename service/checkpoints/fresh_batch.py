@@ -1,0 +1,311 @@
+"""PostgreSQL: a batch of new checkpoints written in one statement.
+
+On PostgreSQL every statement is a round trip, and on a busy node each one
+waits for the agent's event loop and for the server's backend to get a CPU.
+The batch write (batch_write.py) takes about ten of them: read what exists
+(locked), then insert checkpoints, replicas, shards, files and jobs, each
+insert needing the ids the previous one returned, then read the new
+checkpoints' children.
+
+When every checkpoint of a batch is new (a step's first registration, or
+all its ranks in one batch: what a trainer's registration usually is),
+nothing has to be read first: every rule a registration must pass is
+decided from the batch itself (batch_write._decide). One statement then
+does it all, data-modifying CTEs chained by the ids they return, the batch's
+rows passed as JSON arrays (``jsonb_to_recordset``); the statement answers
+each new checkpoint's id and its children. With BEGIN and COMMIT, three
+round trips.
+
+If a checkpoint exists after all (another agent's ranks, an older batch),
+``ON CONFLICT DO NOTHING`` leaves it out, the answer is short, and the
+caller rolls the transaction back and writes the batch the full way
+(``NotAllNew``). The rows written are the same either way: the job rows are
+built by the same functions (jobs/kinds.py), their dedupe key rebuilt in SQL
+from the same format (checked at import), and a test compares both paths'
+rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, cast
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    Integer,
+    String,
+    Table,
+    Text,
+    and_,
+    bindparam,
+    column,
+    func,
+    literal,
+    select,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Connection
+
+from ..jobs import queue
+from ..models import Checkpoint, File, Job, Replica, ReplicaState, Run, Shard, ShardState
+
+CHECKPOINTS = cast(Table, Checkpoint.__table__)
+SHARDS = cast(Table, Shard.__table__)
+FILES = cast(Table, File.__table__)
+REPLICAS = cast(Table, Replica.__table__)
+RUNS = cast(Table, Run.__table__)
+JOBS = cast(Table, Job.__table__)
+
+# The job rows carry no ids yet: the statement fills them in, and their
+# dedupe key, from this format (queue.dedupe_key).
+_KEY_PROBE = queue.dedupe_key("kind", 11, 22, None), queue.dedupe_key("kind", 11, 22, "r")
+if _KEY_PROBE != ("kind:11:22:-", "kind:11:22:r"):
+    raise RuntimeError("queue.dedupe_key changed: rebuild it in fresh_batch._jobs too")
+
+
+class NotAllNew(Exception):
+    """A checkpoint of the batch exists already: write it the full way."""
+
+
+def _rows(name: str, columns: Sequence[tuple[str, Any]]) -> Any:
+    """``jsonb_to_recordset(:name) AS name(col type, ...)``: a JSON array
+    parameter as rows."""
+    return (
+        func.jsonb_to_recordset(bindparam(name, type_=postgresql.JSONB))
+        .table_valued(*(column(n, t) for n, t in columns))
+        .render_derived(name=name, with_types=True)
+    )
+
+
+_CHECKPOINT_COLUMNS = (
+    ("run_id", Integer),
+    ("step", BigInteger),
+    ("state", String),
+    ("world_size", Integer),
+    ("epoch", BigInteger),
+    ("priority", String),
+    ("metrics", JSON),
+    ("metadata", JSON),
+    ("parent_run", String),
+    ("parent_step", BigInteger),
+    ("write_seconds", Float),
+    ("total_bytes", BigInteger),
+    ("file_count", Integer),
+)
+_JOB_COLUMNS = (
+    ("kind", String),
+    ("state", String),
+    ("priority", Integer),
+    ("region", String),
+    ("node", String),
+    ("payload", JSON),
+    ("attempts", Integer),
+    ("max_attempts", Integer),
+    ("run_after", postgresql.TIMESTAMP),
+    ("created_at", postgresql.TIMESTAMP),
+    ("updated_at", postgresql.TIMESTAMP),
+)
+
+
+def _statement() -> Any:
+    now = bindparam("now", type_=postgresql.TIMESTAMP)
+    cps = _rows("cps", (("k", Integer), *_CHECKPOINT_COLUMNS))
+    checkpoint_columns = [name for name, _ in _CHECKPOINT_COLUMNS]
+    inserted = (
+        postgresql.insert(CHECKPOINTS)
+        .from_select(
+            [*checkpoint_columns, "created_at", "updated_at", "pinned"],
+            select(*(cps.c[name] for name in checkpoint_columns), now, now, literal(False)),
+        )
+        .on_conflict_do_nothing(index_elements=["run_id", "step"])
+        .returning(CHECKPOINTS.c.id, CHECKPOINTS.c.run_id, CHECKPOINTS.c.step)
+        .cte("cp")
+    )
+    keys = _rows("cpk", (("k", Integer), ("run_id", Integer), ("step", BigInteger)))
+    keyed = (
+        select(inserted.c.id, keys.c.k)
+        .join_from(
+            inserted, keys, and_(inserted.c.run_id == keys.c.run_id, inserted.c.step == keys.c.step)
+        )
+        .cte("keyed")
+    )
+
+    replicas = _rows("reps", (("k", Integer), ("region", String), ("uri", Text)))
+    replica_rows = (
+        REPLICAS.insert()
+        .from_select(
+            ["checkpoint_id", "region", "state", "uri", "created_at"],
+            select(
+                keyed.c.id,
+                replicas.c.region,
+                literal(ReplicaState.PENDING.value),
+                replicas.c.uri,
+                now,
+            ).join_from(replicas, keyed, replicas.c.k == keyed.c.k),
+        )
+        .cte("rep")
+    )
+
+    shards = _rows(
+        "shs",
+        (
+            ("k", Integer),
+            ("rank", Integer),
+            ("node", String),
+            ("path", Text),
+            ("is_directory", Boolean),
+            ("fingerprint", String),
+        ),
+    )
+    shard_rows = (
+        SHARDS.insert()
+        .from_select(
+            [
+                "checkpoint_id",
+                "rank",
+                "node",
+                "path",
+                "is_directory",
+                "state",
+                "fingerprint",
+                "created_at",
+            ],
+            select(
+                keyed.c.id,
+                shards.c.rank,
+                shards.c.node,
+                shards.c.path,
+                shards.c.is_directory,
+                literal(ShardState.REGISTERED.value),
+                shards.c.fingerprint,
+                now,
+            ).join_from(shards, keyed, shards.c.k == keyed.c.k),
+        )
+        .returning(SHARDS.c.id, SHARDS.c.checkpoint_id, SHARDS.c.rank)
+        .cte("sh")
+    )
+    shard_keys = (
+        select(shard_rows.c.id.label("shard_id"), shard_rows.c.checkpoint_id, shard_rows.c.rank)
+        .add_columns(keyed.c.k)
+        .join_from(shard_rows, keyed, shard_rows.c.checkpoint_id == keyed.c.id)
+        .cte("shk")
+    )
+
+    files = _rows(
+        "fis",
+        (
+            ("k", Integer),
+            ("rank", Integer),
+            ("path", Text),
+            ("size", BigInteger),
+            ("mtime_ns", BigInteger),
+            ("expected_sha256", String),
+        ),
+    )
+    file_rows = (
+        FILES.insert()
+        .from_select(
+            ["shard_id", "path", "size", "mtime_ns", "expected_sha256"],
+            select(shard_keys.c.shard_id, files.c.path, files.c.size, files.c.mtime_ns)
+            .add_columns(files.c.expected_sha256)
+            .join_from(
+                files,
+                shard_keys,
+                and_(files.c.k == shard_keys.c.k, files.c.rank == shard_keys.c.rank),
+            ),
+        )
+        .cte("fi")
+    )
+
+    jobs = _rows("jbs", (("k", Integer), ("rank", Integer), *_JOB_COLUMNS))
+    job_columns = [name for name, _ in _JOB_COLUMNS]
+    dedupe = func.concat_ws(
+        ":",
+        jobs.c.kind,
+        shard_keys.c.checkpoint_id,
+        shard_keys.c.shard_id,
+        func.coalesce(jobs.c.region, "-"),
+    )
+    job_rows = (
+        postgresql.insert(JOBS)
+        .from_select(
+            [*job_columns, "checkpoint_id", "shard_id", "dedupe_key"],
+            select(
+                *(jobs.c[name] for name in job_columns),
+                shard_keys.c.checkpoint_id,
+                shard_keys.c.shard_id,
+                dedupe,
+            ).join_from(
+                jobs, shard_keys, and_(jobs.c.k == shard_keys.c.k, jobs.c.rank == shard_keys.c.rank)
+            ),
+        )
+        .on_conflict_do_nothing(index_elements=["dedupe_key"])
+        .cte("jo")
+    )
+
+    # Each new checkpoint's id, and the checkpoints registered before it that
+    # name it as their parent (the statement's snapshot: rows written before it).
+    parents = _rows("par", (("k", Integer), ("run", String), ("step", BigInteger)))
+    child = CHECKPOINTS.alias("child")
+    children = (
+        select(
+            func.coalesce(
+                func.json_agg(func.json_build_array(RUNS.c.name, child.c.step)),
+                literal("[]").cast(JSON),
+                type_=JSON,
+            )
+        )
+        .select_from(child.join(RUNS, RUNS.c.id == child.c.run_id))
+        .where(child.c.parent_run == parents.c.run, child.c.parent_step == parents.c.step)
+        .scalar_subquery()
+    )
+    return (
+        select(keyed.c.k, keyed.c.id, children.label("children"))
+        .join_from(keyed, parents, parents.c.k == keyed.c.k)
+        .add_cte(replica_rows, file_rows, job_rows)
+    )
+
+
+_STATEMENT = _statement()
+
+
+def _json_ready(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in row.items()}
+
+
+def write(
+    conn: Connection,
+    checkpoints: Sequence[dict[str, Any]],
+    replicas: Sequence[dict[str, Any]],
+    shards: Sequence[dict[str, Any]],
+    files: Sequence[dict[str, Any]],
+    jobs: Sequence[dict[str, Any]],
+    now: datetime,
+) -> dict[int, tuple[int, list[tuple[str, int]]]]:
+    """Insert the batch; ``k`` keys each checkpoint, ``(k, rank)`` each shard.
+    Returns k -> (checkpoint id, its children); raises ``NotAllNew`` when a
+    checkpoint existed (the transaction must then be rolled back)."""
+    params = {
+        "now": now,
+        "cps": [_json_ready(row) for row in checkpoints],
+        "cpk": [{"k": r["k"], "run_id": r["run_id"], "step": r["step"]} for r in checkpoints],
+        "par": [{"k": r["k"], "run": r["run"], "step": r["step"]} for r in checkpoints],
+        "reps": list(replicas),
+        "shs": list(shards),
+        "fis": list(files),
+        "jbs": [_json_ready(row) for row in jobs],
+    }
+    answer = {
+        k: (checkpoint_id, [(name, step) for name, step in sorted(children)])
+        for k, checkpoint_id, children in conn.execute(_STATEMENT, params)
+    }
+    if len(answer) != len(checkpoints):
+        raise NotAllNew()
+    return answer
+
+
+__all__ = ["NotAllNew", "write"]
