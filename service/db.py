@@ -114,6 +114,8 @@ def _begin_eagerly(dbapi_connection: Any) -> None:
     # Taken: the worker process yields to us from its next transaction on
     # (write_gate.UrgentFlag), so we wait for the one holding it only.
     flag = raising_urgent()
+    if flag is not None and flag.raised():
+        flag = None  # raised for the whole batch by the writer (batching.py)
     if flag is not None:
         flag.raise_()
     try:

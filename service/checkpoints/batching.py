@@ -46,7 +46,7 @@ from ..errors import Conflict, is_catalog_outage
 from ..observability import metrics
 from ..resources import Resources
 from ..wal_sync import wal_sync_for
-from ..write_gate import gated
+from ..write_gate import gated, raising_urgent
 from .batch_write import Outcome, Raced, Registration, write_batch
 from .fresh_batch import NotAllNew
 from .register_timing import BatchTiming, Phases
@@ -111,6 +111,13 @@ class RegistrationBatcher:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Outcome] = loop.create_future()
         self._pending.append((registration, future, time.perf_counter()))
+        # SQLite with the worker process: from now on its transactions wait
+        # before they begin, so the lock is free when this batch asks for it
+        # (write_gate.UrgentFlag); lowered once the batch holds the lock, so
+        # that the worker waits for one batch at most, never for a stream.
+        flag = raising_urgent()
+        if flag is not None:
+            flag.raise_()
         writer = self._writer
         if writer is None or writer.done() or writer.get_loop() is not loop:
             # The writer exists only while there is work: nothing to stop at
@@ -119,6 +126,14 @@ class RegistrationBatcher:
         return await future
 
     async def _drain(self) -> None:
+        try:
+            await self._drain_pending()
+        finally:
+            flag = raising_urgent()
+            if flag is not None and not self._pending:
+                flag.lower()
+
+    async def _drain_pending(self) -> None:
         while self._pending:
             batch = self._pending[: self.max_batch]
             del self._pending[: self.max_batch]
@@ -186,7 +201,9 @@ class RegistrationBatcher:
         # PostgreSQL: a batch of checkpoints not known to exist is written in
         # one statement first (fresh_batch.py), the full way if one did.
         assume_new = self.one_statement and not any(
-            (item.request.run, item.request.step) in self._existing for item in items
+            (item.request.run, item.request.step) in self._existing
+            or item.request.run not in self._run_ids  # a new run: its row first
+            for item in items
         )
         for attempt in range(MAX_RACES + 1):
             try:
@@ -246,9 +263,18 @@ class RegistrationBatcher:
         began = time.perf_counter()
         async with (self._writer_engine or self.engine).connect() as conn:
             phases.add("lock", time.perf_counter() - began)
+            if assume_new:
+                # One statement (fresh_batch.py) is a transaction of its own:
+                # no BEGIN and COMMIT round trips around it.
+                await conn.execution_options(isolation_level="AUTOCOMMIT")
+                wrote = time.perf_counter()
+                out = await conn.run_sync(write_batch, items, self.r, self._run_ids, True)
+                phases.add("write", time.perf_counter() - wrote)
+                await conn.commit()
+                return out
             async with conn.begin():
                 wrote = time.perf_counter()
-                out = await conn.run_sync(write_batch, items, self.r, self._run_ids, assume_new)
+                out = await conn.run_sync(write_batch, items, self.r, self._run_ids)
                 phases.add("write", time.perf_counter() - wrote)
                 committing = time.perf_counter()
             phases.add("commit", time.perf_counter() - committing)
@@ -263,6 +289,9 @@ class RegistrationBatcher:
             with conn.begin():
                 wrote = time.perf_counter()
                 phases.add("lock", wrote - began)
+                flag = raising_urgent()
+                if flag is not None:
+                    flag.lower()
                 out = write_batch(conn, items, self.r, self._run_ids)
                 committing = time.perf_counter()
                 phases.add("write", committing - wrote)

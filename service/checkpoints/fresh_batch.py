@@ -13,16 +13,17 @@ nothing has to be read first: every rule a registration must pass is
 decided from the batch itself (batch_write._decide). One statement then
 does it all, data-modifying CTEs chained by the ids they return, the batch's
 rows passed as JSON arrays (``jsonb_to_recordset``); the statement answers
-each new checkpoint's id and its children. With BEGIN and COMMIT, three
-round trips.
+each new checkpoint's id and its children.
 
+One statement is atomic on its own: it runs without BEGIN and COMMIT
+around it (the writer's connection in autocommit), one round trip in all.
 If a checkpoint exists after all (another agent's ranks, an older batch),
-``ON CONFLICT DO NOTHING`` leaves it out, the answer is short, and the
-caller rolls the transaction back and writes the batch the full way
-(``NotAllNew``). The rows written are the same either way: the job rows are
-built by the same functions (jobs/kinds.py), their dedupe key rebuilt in SQL
-from the same format (checked at import), and a test compares both paths'
-rows.
+its unique (run, step) fails the statement, nothing of it is left, and the
+caller writes the batch the full way (``NotAllNew``).
+
+The rows written are the same either way: the job rows are built by the
+same functions (jobs/kinds.py), their dedupe key rebuilt in SQL from the
+same format (checked at import), and a test compares both ways' rows.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
 
 from ..jobs import queue
 from ..models import Checkpoint, File, Job, Replica, ReplicaState, Run, Shard, ShardState
@@ -121,7 +123,9 @@ def _statement() -> Any:
             [*checkpoint_columns, "created_at", "updated_at", "pinned"],
             select(*(cps.c[name] for name in checkpoint_columns), now, now, literal(False)),
         )
-        .on_conflict_do_nothing(index_elements=["run_id", "step"])
+        # No ON CONFLICT: a checkpoint that exists fails the whole statement,
+        # so that nothing of the batch is left when it runs without a
+        # transaction around it.
         .returning(CHECKPOINTS.c.id, CHECKPOINTS.c.run_id, CHECKPOINTS.c.step)
         .cte("cp")
     )
@@ -299,9 +303,15 @@ def write(
         "fis": list(files),
         "jbs": [_json_ready(row) for row in jobs],
     }
+    try:
+        rows = conn.execute(_STATEMENT, params).all()
+    except IntegrityError as exc:
+        # A checkpoint of the batch exists (the unique (run, step)); any
+        # other refusal is the full way's to report.
+        raise NotAllNew() from exc
     answer = {
         k: (checkpoint_id, [(name, step) for name, step in sorted(children)])
-        for k, checkpoint_id, children in conn.execute(_STATEMENT, params)
+        for k, checkpoint_id, children in rows
     }
     if len(answer) != len(checkpoints):
         raise NotAllNew()

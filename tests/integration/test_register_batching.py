@@ -267,3 +267,32 @@ async def test_catalog_outage_fails_the_whole_batch_with_503_and_no_row(
         # Sent again, they are registered.
         again = await asyncio.gather(*(agent.register("r", i, p) for i, p in enumerate(paths)))
         assert [a.status_code for a in again] == [202] * len(paths)
+
+
+async def test_the_flag_for_the_worker_process_is_up_from_submit_until_the_lock_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite with the worker process: the agent's flag (write_gate.UrgentFlag)
+    rises with a registration's submit, so the worker begins nothing new, and
+    falls once the batch holds the lock, so it waits for one batch at most."""
+    from tierckpt.service import write_gate
+
+    flag = write_gate.UrgentFlag()
+    monkeypatch.setitem(write_gate._URGENT, "raise", flag)
+    catalog = f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"
+    async with running_agent(catalog, tmp_path, start_worker=False) as agent:
+        batcher = agent.process.registrations
+        seen: list[bool] = []
+        real = batcher._sync_transaction
+
+        def spy(*args: Any) -> Any:
+            seen.append(flag.raised())  # before BEGIN: up
+            out = real(*args)
+            seen.append(flag.raised())  # the batch took the lock: down
+            return out
+
+        monkeypatch.setattr(batcher, "_sync_transaction", spy)
+        path = write_checkpoint(agent.ssd / "a", {"w.bin": b"a"})
+        assert (await agent.register("r", 1, path)).status_code == 202
+        assert seen == [True, False]
+        assert not flag.raised()

@@ -67,12 +67,14 @@ async def test_the_worker_process_runs_the_jobs_and_reports_its_metrics(
     assert agent.process.failures == []
 
 
-async def test_auto_runs_the_worker_process_with_postgresql_only(
+async def test_auto_runs_the_worker_process_with_either_catalog(
     catalog_url: str, tmp_path: Path
 ) -> None:
     async with running_agent(catalog_url, tmp_path, worker_process=True) as agent:
-        separate = isinstance(agent.process.worker, WorkerChild)
-        assert separate == catalog_url.startswith("postgresql")
+        assert isinstance(agent.process.worker, WorkerChild)
+    no = {"separate_process": "no"}
+    async with running_agent(catalog_url, tmp_path, worker_process=True, worker=no) as agent:
+        assert not isinstance(agent.process.worker, WorkerChild)
 
 
 async def test_a_killed_worker_process_fails_the_liveness_probe(

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tierckpt.service import db, sqlite_driver
+from tierckpt.service import db, sqlite_driver, write_gate
 from tierckpt.service.wal_sync import WalSync, wal_sync_for
 from tierckpt.service.write_gate import READ_ONLY, gate_for
 
@@ -215,3 +215,23 @@ def test_the_checkpoint_thread_moves_the_wal_into_the_database(tmp_path: Path) -
     busy, frames, done = writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     assert busy == 0 and frames == done  # nothing was left to copy
     writer.close()
+
+
+async def test_in_the_worker_process_a_transaction_waits_for_the_agents_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, _ = await _engine(tmp_path)
+    flag = write_gate.UrgentFlag()
+    monkeypatch.setitem(write_gate._URGENT, "yield", flag)  # as the worker process
+    flag.raise_()  # the agent has a registration on its way to the lock
+    task = asyncio.create_task(_insert(engine, 1))
+    await asyncio.sleep(0.05)
+    assert not task.done()  # has not begun: the lock stays free for the registration
+    flag.lower()
+    await asyncio.wait_for(task, 10)
+    await engine.dispose()
+
+
+async def _insert(engine: AsyncEngine, x: int) -> None:
+    async with db.transaction(db.create_sessionmaker(engine)) as session:
+        await session.execute(text("INSERT INTO t VALUES (:x)"), {"x": x})
