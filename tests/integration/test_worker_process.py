@@ -13,7 +13,7 @@ from devsupport.agent import Agent, running_agent, write_checkpoint
 from tests.integration.test_agent_supervision import unhealthy
 from tierckpt.service.worker_process import WorkerChild
 
-# "auto" runs it with PostgreSQL only: both catalogs are tested here.
+# "auto" runs it with either catalog; "yes" says so where a test depends on it.
 SEPARATE = {"separate_process": "yes"}
 UPLOADS_DONE = 'tierckpt_job_runs_total{kind="upload",outcome="succeeded"}'
 UPLOADED = 'tierckpt_uploaded_bytes_total{region="local"}'
