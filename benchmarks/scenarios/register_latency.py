@@ -165,16 +165,27 @@ class _Load:
         self.errors: list[str] = []
         context = multiprocessing.get_context("spawn")
         self._stop = context.Event()
+        self._durable = context.Value("i", 0)
         self._totals = base / "totals.json"
         self._process = context.Process(
             target=_load_loop,
-            args=(url, str(base), run_name, self._stop, str(self._totals)),
+            args=(url, str(base), run_name, self._stop, self._durable, str(self._totals)),
             name="bench-load",
             daemon=True,
         )
 
     def start(self) -> None:
         self._process.start()
+
+    def wait_steady(self, at_least: float = 3.0, at_most: float = 60.0) -> None:
+        """Until the first load checkpoint is durable: the load's start (its
+        process's imports, the first uploads all at once) is not the
+        condition measured; then uploads, commits and replication run."""
+        began = time.monotonic()
+        while time.monotonic() - began < at_most:
+            if self._durable.value >= 1 and time.monotonic() - began >= at_least:
+                return
+            time.sleep(0.1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -192,7 +203,9 @@ class _Load:
         self.errors += totals["errors"]
 
 
-def _load_loop(url: str, base: str, run_name: str, stop: Any, totals_path: str) -> None:
+def _load_loop(
+    url: str, base: str, run_name: str, stop: Any, durable_count: Any, totals_path: str
+) -> None:
     """The load process: register, follow until durable, register again."""
     source = Path(base) / "source"
     registered = durable = 0
@@ -215,6 +228,7 @@ def _load_loop(url: str, base: str, run_name: str, stop: Any, totals_path: str) 
                     state = client.get(run_name, s).state
                     if state in ("durable", "replicated", "deleted"):
                         durable += 1
+                        durable_count.value = durable
                     elif state == "failed":
                         errors.append(f"{run_name}:{s} failed")
                     else:
@@ -357,7 +371,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                         if mode != "idle":
                             load = _Load(agent.url, ctx.ssd / name / "load", "bench-load")
                             load.start()
-                            time.sleep(3.0)  # uploads, commits and replication under way
+                            load.wait_steady()  # uploads, commits and replication under way
                         for rep in range(reps):
                             with _Floor(ctx.work / name) as floor:
                                 samples = _timed(
