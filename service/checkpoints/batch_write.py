@@ -13,10 +13,10 @@ writer rolls the transaction back and writes the batch again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
@@ -24,33 +24,20 @@ from ..errors import ApiError, Conflict
 from ..jobs import kinds, queue
 from ..models import (
     PRIORITY,
-    Checkpoint,
     CheckpointState,
-    File,
-    Job,
     JobState,
-    Replica,
     ReplicaState,
-    Run,
-    Shard,
     ShardState,
     utcnow,
 )
 from ..resources import Resources
 from ..storage import layout
 from . import fresh_batch
+from .batch_plan import Outcome, Planned, Raced, Registration, checkpoint_row
 from .presenter import Listing, NewCheckpoint, NewShard, checkpoint_out
-from .register_timing import BatchTiming
 from .repository import ReplicaRow
-from .scan import ScannedShard
-from .schemas import CheckpointOut, RegisterRequest
-
-CHECKPOINTS = cast(Table, Checkpoint.__table__)
-SHARDS = cast(Table, Shard.__table__)
-FILES = cast(Table, File.__table__)
-REPLICAS = cast(Table, Replica.__table__)
-RUNS = cast(Table, Run.__table__)
-JOBS = cast(Table, Job.__table__)
+from .schemas import CheckpointOut
+from .tables import CHECKPOINTS, FILES, JOBS, REPLICAS, RUNS, SHARDS
 
 
 def _expanding(name: str) -> Any:
@@ -141,49 +128,6 @@ class _Inserts:
 _INSERTS = {"postgresql": _Inserts.of(postgresql), "sqlite": _Inserts.of(sqlite)}
 
 
-@dataclass(frozen=True)
-class Registration:
-    """One validated registration: the request and what the scan found."""
-
-    request: RegisterRequest
-    scanned: ScannedShard
-    hashes: dict[str, str]
-    fingerprint: str
-
-
-@dataclass(frozen=True)
-class Outcome:
-    created: bool
-    # Built from what was written when the whole checkpoint is from this
-    # batch; None when the caller must read it back (it existed before).
-    record: CheckpointOut | None
-    # Where the registration's time in the writer went (batching.py).
-    timing: BatchTiming | None = None
-
-
-class Raced(Exception):
-    """Another agent inserted a row this batch meant to insert."""
-
-
-@dataclass
-class _Planned:
-    """A checkpoint as this batch sees it: existing or about to be created."""
-
-    key: tuple[int, int]
-    run: str
-    id: int | None
-    new: bool
-    world_size: int
-    state: str
-    priority: str
-    error: str | None
-    first: RegisterRequest | None = None  # the registration creating it
-    shards: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
-    added: list[tuple[int, Registration]] = field(default_factory=list)  # (index, reg)
-    promote: bool = False
-    created_at: Any = None
-
-
 def _run_ids_of(
     conn: Connection, inserts: _Inserts, names: set[str], now: Any, cache: dict[str, int]
 ) -> tuple[dict[str, int], dict[str, int]]:
@@ -218,7 +162,7 @@ def write_batch(
     run_ids, new_runs = _run_ids_of(conn, inserts, names_wanted, now, known_runs)
     keys = sorted({(run_ids[i.request.run], i.request.step) for i in items})
 
-    plans: dict[tuple[int, int], _Planned] = {}
+    plans: dict[tuple[int, int], Planned] = {}
     names = {run_id: name for name, run_id in run_ids.items()}
     wanted = set(keys)
     # A parent in the same batch: its children are read after the inserts
@@ -239,7 +183,7 @@ def write_batch(
         key = (row.run_id, row.step)
         if key not in wanted:
             continue
-        plans[key] = _Planned(
+        plans[key] = Planned(
             key=key,
             run=names[row.run_id],
             id=row.id,
@@ -255,13 +199,13 @@ def write_batch(
             by_id[checkpoint_id].shards[rank] = print_
 
     results: list[Outcome | BaseException | None] = [None] * len(items)
-    idempotent: list[tuple[int, _Planned]] = []
+    idempotent: list[tuple[int, Planned]] = []
     for index, item in enumerate(items):
         request = item.request
         key = (run_ids[request.run], request.step)
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = _Planned(
+            plan = plans[key] = Planned(
                 key=key,
                 run=request.run,
                 id=None,
@@ -285,7 +229,7 @@ def write_batch(
     # Build the answers. A checkpoint created by this batch is answered
     # from what was written; anything older is read back by the caller.
     if fresh:
-        children = _insert_fresh(resources, conn, plans, now, node)
+        children = fresh_batch.write_new(resources, conn, plans, now, node)
     else:
         _insert(resources, conn, inserts, plans, now, node)
         children = _children(conn, [p for p in plans.values() if p.new and p.added])
@@ -314,102 +258,7 @@ def _parent_in_batch(items: list[Registration]) -> bool:
     )
 
 
-def _insert_fresh(
-    resources: Resources,
-    conn: Connection,
-    plans: dict[tuple[int, int], _Planned],
-    now: Any,
-    node: str,
-) -> dict[tuple[str, int], list[tuple[str, int]]]:
-    """The batch's new checkpoints in one statement (fresh_batch.py): the
-    same rows as ``_insert``; returns their children."""
-    settings = resources.settings
-    ordered = [plans[key] for key in sorted(plans) if plans[key].added]
-    checkpoints: list[dict[str, Any]] = []
-    replicas: list[dict[str, Any]] = []
-    shards: list[dict[str, Any]] = []
-    files: list[dict[str, Any]] = []
-    jobs: list[dict[str, Any]] = []
-    for k, plan in enumerate(ordered):
-        first = plan.first
-        assert first is not None and plan.new
-        checkpoints.append(
-            {
-                "k": k,
-                "run": plan.run,
-                "run_id": plan.key[0],
-                "step": plan.key[1],
-                "state": CheckpointState.REGISTERED.value,
-                "world_size": first.world_size,
-                "epoch": first.epoch,
-                "priority": plan.priority,
-                "metrics": first.metrics,
-                "metadata": first.metadata,
-                "parent_run": first.parent.run if first.parent else None,
-                "parent_step": first.parent.step if first.parent else None,
-                "write_seconds": first.write_seconds,
-                "total_bytes": sum(r.scanned.total_bytes for _, r in plan.added),
-                "file_count": sum(len(r.scanned.files) for _, r in plan.added),
-            }
-        )
-        replicas.extend(
-            {"k": k, "region": region, "uri": store.uri(layout.step_prefix(plan.run, plan.key[1]))}
-            for region, store in resources.stores.items()
-        )
-        for _, reg in plan.added:
-            rank = reg.request.rank
-            # An urgent registration of the same content later in the batch
-            # promotes the checkpoint's jobs (``_promote`` on the full way).
-            priority = PRIORITY["urgent" if plan.promote else reg.request.priority]
-            shards.append(
-                {
-                    "k": k,
-                    "rank": rank,
-                    "node": node,
-                    "path": str(reg.scanned.directory),
-                    "is_directory": reg.scanned.is_directory,
-                    "fingerprint": reg.fingerprint,
-                }
-            )
-            files.extend(
-                {
-                    "k": k,
-                    "rank": rank,
-                    "path": f.path,
-                    "size": f.size,
-                    "mtime_ns": f.mtime_ns,
-                    "expected_sha256": reg.hashes.get(f.path),
-                }
-                for f in reg.scanned.files
-            )
-            # Ids and dedupe keys are filled in by the statement.
-            rows = [
-                kinds.upload_row(
-                    0,
-                    shard_id=0,
-                    region=settings.primary_region.name,
-                    node=node,
-                    mode=kinds.UploadMode.PRIMARY,
-                    worker=settings.worker,
-                    priority=priority,
-                    now=now,
-                )
-            ]
-            if settings.peers.copies:
-                rows.append(
-                    kinds.peer_push_row(0, shard_id=0, node=node, priority=priority, now=now)
-                )
-            jobs.extend({"k": k, "rank": rank, **row} for row in rows)
-    written = fresh_batch.write(conn, checkpoints, replicas, shards, files, jobs, now)
-    children: dict[tuple[str, int], list[tuple[str, int]]] = {}
-    for k, plan in enumerate(ordered):
-        plan.id, plan_children = written[k]
-        if plan_children:
-            children[(plan.run, plan.key[1])] = plan_children
-    return children
-
-
-def _decide(plan: _Planned, index: int, item: Registration) -> None:
+def _decide(plan: Planned, index: int, item: Registration) -> None:
     """Same rules as one registration alone; raises before anything is written."""
     request = item.request
     if plan.world_size != request.world_size:
@@ -446,7 +295,7 @@ def _insert(
     resources: Resources,
     conn: Connection,
     inserts: _Inserts,
-    plans: dict[tuple[int, int], _Planned],
+    plans: dict[tuple[int, int], Planned],
     now: Any,
     node: str,
 ) -> None:
@@ -456,27 +305,8 @@ def _insert(
     if new:
         rows = []
         for plan in new:
-            first = plan.first
-            assert first is not None
             rows.append(
-                {
-                    "run_id": plan.key[0],
-                    "step": plan.key[1],
-                    "state": CheckpointState.REGISTERED.value,
-                    "world_size": first.world_size,
-                    "epoch": first.epoch,
-                    "priority": plan.priority,
-                    "metrics": first.metrics,
-                    "metadata": first.metadata,
-                    "parent_run": first.parent.run if first.parent else None,
-                    "parent_step": first.parent.step if first.parent else None,
-                    "write_seconds": first.write_seconds,
-                    "total_bytes": sum(r.scanned.total_bytes for _, r in plan.added),
-                    "file_count": sum(len(r.scanned.files) for _, r in plan.added),
-                    "created_at": now,
-                    "updated_at": now,
-                    "pinned": False,
-                }
+                {**checkpoint_row(plan), "created_at": now, "updated_at": now, "pinned": False}
             )
         inserted = conn.execute(inserts.checkpoints, rows)
         for checkpoint_id, run_id, step in inserted:
@@ -579,7 +409,7 @@ def _insert(
     _promote(conn, ordered)
 
 
-def _promote(conn: Connection, ordered: Sequence[_Planned]) -> None:
+def _promote(conn: Connection, ordered: Sequence[Planned]) -> None:
     promoted = [p.id for p in ordered if p.promote and p.id is not None]
     if not promoted:
         return
@@ -588,7 +418,7 @@ def _promote(conn: Connection, ordered: Sequence[_Planned]) -> None:
 
 
 def _children(
-    conn: Connection, plans: list[_Planned]
+    conn: Connection, plans: list[Planned]
 ) -> dict[tuple[str, int], list[tuple[str, int]]]:
     """Checkpoints registered earlier that name a new one as their parent."""
     if not plans:
@@ -606,7 +436,7 @@ def _children(
     return children
 
 
-def _record(resources: Resources, plan: _Planned, children: list[tuple[str, int]]) -> CheckpointOut:
+def _record(resources: Resources, plan: Planned, children: list[tuple[str, int]]) -> CheckpointOut:
     first = plan.first
     assert first is not None
     node = resources.settings.server.node

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -39,7 +39,6 @@ from sqlalchemy import (
     Float,
     Integer,
     String,
-    Table,
     Text,
     and_,
     bindparam,
@@ -52,15 +51,12 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from ..jobs import queue
-from ..models import Checkpoint, File, Job, Replica, ReplicaState, Run, Shard, ShardState
-
-CHECKPOINTS = cast(Table, Checkpoint.__table__)
-SHARDS = cast(Table, Shard.__table__)
-FILES = cast(Table, File.__table__)
-REPLICAS = cast(Table, Replica.__table__)
-RUNS = cast(Table, Run.__table__)
-JOBS = cast(Table, Job.__table__)
+from ..jobs import kinds, queue
+from ..models import PRIORITY, ReplicaState, ShardState
+from ..resources import Resources
+from ..storage import layout
+from .batch_plan import Planned, checkpoint_row
+from .tables import CHECKPOINTS, FILES, JOBS, REPLICAS, RUNS, SHARDS
 
 # The job rows carry no ids yet: the statement fills them in, and their
 # dedupe key, from this format (queue.dedupe_key).
@@ -318,4 +314,81 @@ def write(
     return answer
 
 
-__all__ = ["NotAllNew", "write"]
+def write_new(
+    resources: Resources,
+    conn: Connection,
+    plans: dict[tuple[int, int], Planned],
+    now: Any,
+    node: str,
+) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    """The batch's new checkpoints in one statement (fresh_batch.py): the
+    same rows as ``_insert``; returns their children."""
+    settings = resources.settings
+    ordered = [plans[key] for key in sorted(plans) if plans[key].added]
+    checkpoints: list[dict[str, Any]] = []
+    replicas: list[dict[str, Any]] = []
+    shards: list[dict[str, Any]] = []
+    files: list[dict[str, Any]] = []
+    jobs: list[dict[str, Any]] = []
+    for k, plan in enumerate(ordered):
+        first = plan.first
+        assert first is not None and plan.new
+        checkpoints.append({"k": k, "run": plan.run, **checkpoint_row(plan)})
+        replicas.extend(
+            {"k": k, "region": region, "uri": store.uri(layout.step_prefix(plan.run, plan.key[1]))}
+            for region, store in resources.stores.items()
+        )
+        for _, reg in plan.added:
+            rank = reg.request.rank
+            # An urgent registration of the same content later in the batch
+            # promotes the checkpoint's jobs (``_promote`` on the full way).
+            priority = PRIORITY["urgent" if plan.promote else reg.request.priority]
+            shards.append(
+                {
+                    "k": k,
+                    "rank": rank,
+                    "node": node,
+                    "path": str(reg.scanned.directory),
+                    "is_directory": reg.scanned.is_directory,
+                    "fingerprint": reg.fingerprint,
+                }
+            )
+            files.extend(
+                {
+                    "k": k,
+                    "rank": rank,
+                    "path": f.path,
+                    "size": f.size,
+                    "mtime_ns": f.mtime_ns,
+                    "expected_sha256": reg.hashes.get(f.path),
+                }
+                for f in reg.scanned.files
+            )
+            # Ids and dedupe keys are filled in by the statement.
+            rows = [
+                kinds.upload_row(
+                    0,
+                    shard_id=0,
+                    region=settings.primary_region.name,
+                    node=node,
+                    mode=kinds.UploadMode.PRIMARY,
+                    worker=settings.worker,
+                    priority=priority,
+                    now=now,
+                )
+            ]
+            if settings.peers.copies:
+                rows.append(
+                    kinds.peer_push_row(0, shard_id=0, node=node, priority=priority, now=now)
+                )
+            jobs.extend({"k": k, "rank": rank, **row} for row in rows)
+    written = write(conn, checkpoints, replicas, shards, files, jobs, now)
+    children: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for k, plan in enumerate(ordered):
+        plan.id, plan_children = written[k]
+        if plan_children:
+            children[(plan.run, plan.key[1])] = plan_children
+    return children
+
+
+__all__ = ["NotAllNew", "write", "write_new"]

@@ -1,0 +1,79 @@
+"""A batch of registrations as the writer plans it: each registration, its
+answer, and each checkpoint as the batch sees it (existing or about to be
+created), shared by both ways of writing it (batch_write.py, fresh_batch.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..models import CheckpointState
+from .register_timing import BatchTiming
+from .scan import ScannedShard
+from .schemas import CheckpointOut, RegisterRequest
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One validated registration: the request and what the scan found."""
+
+    request: RegisterRequest
+    scanned: ScannedShard
+    hashes: dict[str, str]
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    created: bool
+    # Built from what was written when the whole checkpoint is from this
+    # batch; None when the caller must read it back (it existed before).
+    record: CheckpointOut | None
+    # Where the registration's time in the writer went (batching.py).
+    timing: BatchTiming | None = None
+
+
+class Raced(Exception):
+    """Another agent inserted a row this batch meant to insert."""
+
+
+@dataclass
+class Planned:
+    """A checkpoint as this batch sees it: existing or about to be created."""
+
+    key: tuple[int, int]
+    run: str
+    id: int | None
+    new: bool
+    world_size: int
+    state: str
+    priority: str
+    error: str | None
+    first: RegisterRequest | None = None  # the registration creating it
+    shards: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
+    added: list[tuple[int, Registration]] = field(default_factory=list)  # (index, reg)
+    promote: bool = False
+    created_at: Any = None
+
+
+def checkpoint_row(plan: Planned) -> dict[str, Any]:
+    """A new checkpoint's columns (either way of writing it; the times are
+    the statement's)."""
+    first = plan.first
+    assert first is not None
+    return {
+        "run_id": plan.key[0],
+        "step": plan.key[1],
+        "state": CheckpointState.REGISTERED.value,
+        "world_size": first.world_size,
+        "epoch": first.epoch,
+        "priority": plan.priority,
+        "metrics": first.metrics,
+        "metadata": first.metadata,
+        "parent_run": first.parent.run if first.parent else None,
+        "parent_step": first.parent.step if first.parent else None,
+        "write_seconds": first.write_seconds,
+        "total_bytes": sum(r.scanned.total_bytes for _, r in plan.added),
+        "file_count": sum(len(r.scanned.files) for _, r in plan.added),
+    }
