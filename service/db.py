@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
-from .sqlite_driver import connector
+from .sqlite_driver import LOCK_WAIT, connector
 from .write_gate import READ_ONLY, raising_urgent
 
 # PostgreSQL: how long opening a connection, and any one statement of the
@@ -91,9 +91,8 @@ def create_sync_engine(
     return sync
 
 
-# How long a transaction of an ``eager_lock`` engine waits for the write lock
-# (as busy_timeout for the others), and its pauses between two tries.
-LOCK_WAIT = 30.0
+# An ``eager_lock`` engine's pauses between two tries for the write lock; it
+# waits up to LOCK_WAIT (sqlite_driver.py), the busy_timeout of the others.
 _EAGER_PAUSES = (0.0002, 0.0005, 0.001, 0.002)
 
 

@@ -75,13 +75,11 @@ def connector(database: str, *, timeout: float = LOCK_WAIT) -> Callable[[], Any]
 
     async def connect() -> InlineConnection:
         def opened() -> sqlite3.Connection:
-            connection = sqlite3.connect(
+            # The PRAGMAs (synchronous=NORMAL, no autocheckpoint, ...) are
+            # db._sqlite_transactions', on every connection of the engine.
+            return sqlite3.connect(
                 path, isolation_level=None, check_same_thread=False, timeout=timeout
             )
-            # Per connection; db._sqlite_transactions sets the rest.
-            connection.execute("PRAGMA synchronous=NORMAL")
-            connection.execute("PRAGMA wal_autocheckpoint=0")
-            return connection
 
         loop = asyncio.get_running_loop()
         connection = await loop.run_in_executor(_reads(), opened)

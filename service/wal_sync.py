@@ -30,6 +30,7 @@ and the database fsynced: there is nothing left to sync.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sqlite3
@@ -71,11 +72,7 @@ class WalSync:
         writer's): the fsync right there, without a handoff to this
         module's thread and the wake-up it would cost."""
         self._fsync()
-        with self._cond:
-            self._commits += 1
-            due = self._commits >= CHECKPOINT_EVERY
-        if due:
-            self._request_checkpoint()
+        self._count_commits(1)
 
     async def synced(self) -> None:
         """After a COMMIT, on the event loop: returns once the WAL is on disk."""
@@ -100,7 +97,6 @@ class WalSync:
     def _enqueue(self, finished: Done) -> None:
         with self._cond:
             self._waiting.append(finished)
-            self._commits += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="tierckpt-wal-sync", daemon=True
@@ -116,7 +112,6 @@ class WalSync:
                 while not self._waiting:
                     self._cond.wait()
                 taken, self._waiting = self._waiting, []
-                commits = self._commits
             error: BaseException | None = None
             try:
                 self._fsync()
@@ -124,8 +119,7 @@ class WalSync:
                 error = exc
             for finished in taken:
                 finished(error)
-            if commits >= CHECKPOINT_EVERY:
-                self._request_checkpoint()
+            self._count_commits(len(taken))
 
     def _fsync(self) -> None:
         try:
@@ -151,6 +145,15 @@ class WalSync:
             self._synced_inode = inode
 
     # -- checkpoints --------------------------------------------------------
+
+    def _count_commits(self, synced: int) -> None:
+        """``synced`` more commits are on disk; every ``CHECKPOINT_EVERY``,
+        a checkpoint."""
+        with self._cond:
+            self._commits += synced
+            if self._commits < CHECKPOINT_EVERY:
+                return
+        self._request_checkpoint()
 
     def _request_checkpoint(self) -> None:
         with self._cond:
@@ -188,9 +191,17 @@ _SYNCS: dict[Path, WalSync] = {}
 _SYNCS_LOCK = threading.Lock()
 
 
-def wal_sync_for(database: str | os.PathLike[str]) -> WalSync:
+@functools.lru_cache(maxsize=64)
+def database_file(database: str | Path) -> Path:
+    """``database`` resolved, once per spelling: what names one SQLite file
+    for this process (its ``WalSync``, its write gates), looked up at every
+    write transaction."""
+    return Path(database).resolve()
+
+
+def wal_sync_for(database: str | Path) -> WalSync:
     """The process's ``WalSync`` of ``database`` (one per file)."""
-    path = Path(database).resolve()
+    path = database_file(database)
     with _SYNCS_LOCK:
         found = _SYNCS.get(path)
         if found is None:

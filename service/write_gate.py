@@ -52,6 +52,8 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from .wal_sync import database_file
+
 # Execution option of the engines that only read (db.create_read_sessionmaker):
 # they take no write lock on SQLite, so no gate either.
 READ_ONLY = "tierckpt_read_only"
@@ -168,14 +170,14 @@ _GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Path, WriteGat
 )
 
 
-def gate_for(database: str | os.PathLike[str]) -> WriteGate:
+def gate_for(database: str | Path) -> WriteGate:
     """The gate of one SQLite database file for the running event loop (the
     driver takes it at BEGIN IMMEDIATE: sqlite_driver.py)."""
     loop = asyncio.get_running_loop()
     gates = _GATES.get(loop)
     if gates is None:
         gates = _GATES[loop] = {}
-    path = Path(database).resolve()
+    path = database_file(database)
     gate = gates.get(path)
     if gate is None:
         gate = gates[path] = WriteGate()
@@ -198,15 +200,15 @@ def gate_of(bind: AsyncEngine | Engine | Any) -> WriteGate | None:
 
 
 @asynccontextmanager
-async def gated(
-    sessionmaker: async_sessionmaker[AsyncSession], *, urgent: bool = False
-) -> AsyncIterator[None]:
-    """Hold the gate of ``sessionmaker``'s database (nothing on PostgreSQL)."""
+async def gated(sessionmaker: async_sessionmaker[AsyncSession]) -> AsyncIterator[None]:
+    """Hold the gate of ``sessionmaker``'s database ahead of every waiting
+    background transaction (the registration writer, whose transaction runs
+    on a thread of its own); nothing on PostgreSQL. Background transactions
+    take the gate in the driver (sqlite_driver.py), after yielding to the
+    agent's flag in the worker process."""
     gate = gate_of(sessionmaker.kw.get("bind"))
     if gate is None:
         yield
         return
-    async with gate.hold(urgent=urgent):
-        if not urgent:
-            await yield_to_agent()
+    async with gate.hold(urgent=True):
         yield

@@ -57,6 +57,19 @@ class Planned:
     created_at: Any = None
 
 
+def one_statement_may_do(items: list[Registration], known_runs: dict[str, int]) -> bool:
+    """Whether a batch may be written in one statement (fresh_batch.py):
+    every run is known (a new run's row comes first, in a transaction), and
+    no checkpoint of the batch names another as its parent (the statement
+    reads children in its snapshot, which would miss them)."""
+    steps = {(i.request.run, i.request.step) for i in items}
+    return all(i.request.run in known_runs for i in items) and not any(
+        (i.request.parent.run, i.request.parent.step) in steps
+        for i in items
+        if i.request.parent is not None
+    )
+
+
 def checkpoint_row(plan: Planned) -> dict[str, Any]:
     """A new checkpoint's columns (either way of writing it; the times are
     the statement's)."""

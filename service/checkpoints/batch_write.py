@@ -150,8 +150,10 @@ def write_batch(
     assume_new: bool = False,
 ) -> tuple[list[Outcome | BaseException], dict[str, int]]:
     """The batch in the open transaction of ``conn``. ``assume_new``
-    (PostgreSQL): every checkpoint is taken to be new, written in one
-    statement (fresh_batch.py), ``NotAllNew`` raised if one was not."""
+    (PostgreSQL, ``conn`` in autocommit, every run known, no parent in the
+    batch: ``batch_plan.one_statement_may_do``): every checkpoint is taken
+    to be new, written in one statement (fresh_batch.py), ``NotAllNew``
+    raised if one was not."""
     settings = resources.settings
     node = settings.server.node
     is_pg = conn.dialect.name == "postgresql"
@@ -165,12 +167,9 @@ def write_batch(
     plans: dict[tuple[int, int], Planned] = {}
     names = {run_id: name for name, run_id in run_ids.items()}
     wanted = set(keys)
-    # A parent in the same batch: its children are read after the inserts
-    # (the one statement's snapshot would not see them).
-    fresh = assume_new and is_pg and not _parent_in_batch(items)
     existing = (
         ()
-        if fresh
+        if assume_new
         else conn.execute(
             _EXISTING_LOCKED if is_pg else _EXISTING,
             {
@@ -228,7 +227,7 @@ def write_batch(
 
     # Build the answers. A checkpoint created by this batch is answered
     # from what was written; anything older is read back by the caller.
-    if fresh:
+    if assume_new:
         children = fresh_batch.write_new(resources, conn, plans, now, node)
     else:
         _insert(resources, conn, inserts, plans, now, node)
@@ -247,15 +246,6 @@ def write_batch(
         assert result is not None
         done.append(result)
     return done, new_runs
-
-
-def _parent_in_batch(items: list[Registration]) -> bool:
-    steps = {(i.request.run, i.request.step) for i in items}
-    return any(
-        (i.request.parent.run, i.request.parent.step) in steps
-        for i in items
-        if i.request.parent is not None
-    )
 
 
 def _decide(plan: Planned, index: int, item: Registration) -> None:

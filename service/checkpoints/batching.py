@@ -47,6 +47,7 @@ from ..observability import metrics
 from ..resources import Resources
 from ..wal_sync import wal_sync_for
 from ..write_gate import gated, raising_urgent
+from .batch_plan import one_statement_may_do
 from .batch_write import Outcome, Raced, Registration, write_batch
 from .fresh_batch import NotAllNew
 from .register_timing import BatchTiming, Phases
@@ -200,10 +201,10 @@ class RegistrationBatcher:
     ) -> list[Outcome | BaseException]:
         # PostgreSQL: a batch of checkpoints not known to exist is written in
         # one statement first (fresh_batch.py), the full way if one did.
-        assume_new = self.one_statement and not any(
-            (item.request.run, item.request.step) in self._existing
-            or item.request.run not in self._run_ids  # a new run: its row first
-            for item in items
+        assume_new = (
+            self.one_statement
+            and one_statement_may_do(items, self._run_ids)
+            and not any((i.request.run, i.request.step) in self._existing for i in items)
         )
         for attempt in range(MAX_RACES + 1):
             try:
@@ -220,14 +221,8 @@ class RegistrationBatcher:
                         code="concurrent_change",
                     ) from None
                 continue
-            self.fresh_batches += assume_new
-            # Committed: these checkpoints exist now (later ranks of theirs
-            # skip the one-statement attempt).
-            for item in items:
-                self._existing[(item.request.run, item.request.step)] = None
-                self._existing.move_to_end((item.request.run, item.request.step))
-            while len(self._existing) > EXISTING_CACHE_SIZE:
-                self._existing.popitem(last=False)
+            if self.one_statement:
+                self._remember_existing(items, fresh=assume_new)
             # Committed: only now may the new runs' ids be trusted.
             if len(self._run_ids) + len(new_runs) > RUN_CACHE_SIZE:
                 self._run_ids.clear()
@@ -239,6 +234,17 @@ class RegistrationBatcher:
                         metrics.observe_registration(item.request.priority)
             return results
         raise AssertionError("unreachable")
+
+    def _remember_existing(self, items: list[Registration], *, fresh: bool) -> None:
+        """Committed: these checkpoints exist now (their later ranks skip the
+        one-statement attempt)."""
+        self.fresh_batches += fresh
+        for item in items:
+            key = (item.request.run, item.request.step)
+            self._existing[key] = None
+            self._existing.move_to_end(key)
+        while len(self._existing) > EXISTING_CACHE_SIZE:
+            self._existing.popitem(last=False)
 
     async def _transaction(
         self, items: list[Registration], phases: Phases, assume_new: bool = False
@@ -254,7 +260,7 @@ class RegistrationBatcher:
         if self._sync_engine is not None:
             # Ahead of every background transaction waiting (write_gate.py).
             waited = time.perf_counter()
-            async with gated(self.r.sessionmaker, urgent=True):
+            async with gated(self.r.sessionmaker):
                 phases.add("gate", time.perf_counter() - waited)
                 loop = asyncio.get_running_loop()
                 return await loop.run_in_executor(

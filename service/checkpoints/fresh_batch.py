@@ -69,13 +69,13 @@ class NotAllNew(Exception):
     """A checkpoint of the batch exists already: write it the full way."""
 
 
-def _rows(name: str, columns: Sequence[tuple[str, Any]]) -> Any:
-    """``jsonb_to_recordset(:name) AS name(col type, ...)``: a JSON array
-    parameter as rows."""
+def _rows(name: str, columns: Sequence[tuple[str, Any]], alias: str | None = None) -> Any:
+    """``jsonb_to_recordset(:name) AS alias(col type, ...)``: a JSON array
+    parameter as rows (keys not named here are ignored)."""
     return (
         func.jsonb_to_recordset(bindparam(name, type_=postgresql.JSONB))
         .table_valued(*(column(n, t) for n, t in columns))
-        .render_derived(name=name, with_types=True)
+        .render_derived(name=alias or name, with_types=True)
     )
 
 
@@ -125,7 +125,8 @@ def _statement() -> Any:
         .returning(CHECKPOINTS.c.id, CHECKPOINTS.c.run_id, CHECKPOINTS.c.step)
         .cte("cp")
     )
-    keys = _rows("cpk", (("k", Integer), ("run_id", Integer), ("step", BigInteger)))
+    # The same checkpoint rows again: RETURNING sees only the inserted row, not its k.
+    keys = _rows("cps", (("k", Integer), ("run_id", Integer), ("step", BigInteger)), "cpk")
     keyed = (
         select(inserted.c.id, keys.c.k)
         .join_from(
@@ -249,7 +250,7 @@ def _statement() -> Any:
 
     # Each new checkpoint's id, and the checkpoints registered before it that
     # name it as their parent (the statement's snapshot: rows written before it).
-    parents = _rows("par", (("k", Integer), ("run", String), ("step", BigInteger)))
+    parents = _rows("cps", (("k", Integer), ("run", String), ("step", BigInteger)), "par")
     child = CHECKPOINTS.alias("child")
     children = (
         select(
@@ -288,12 +289,10 @@ def write(
 ) -> dict[int, tuple[int, list[tuple[str, int]]]]:
     """Insert the batch; ``k`` keys each checkpoint, ``(k, rank)`` each shard.
     Returns k -> (checkpoint id, its children); raises ``NotAllNew`` when a
-    checkpoint existed (the transaction must then be rolled back)."""
+    checkpoint existed (the statement failed whole: nothing was written)."""
     params = {
         "now": now,
         "cps": [_json_ready(row) for row in checkpoints],
-        "cpk": [{"k": r["k"], "run_id": r["run_id"], "step": r["step"]} for r in checkpoints],
-        "par": [{"k": r["k"], "run": r["run"], "step": r["step"]} for r in checkpoints],
         "reps": list(replicas),
         "shs": list(shards),
         "fis": list(files),
@@ -305,13 +304,11 @@ def write(
         # A checkpoint of the batch exists (the unique (run, step)); any
         # other refusal is the full way's to report.
         raise NotAllNew() from exc
-    answer = {
+    # Every checkpoint inserted (none existed: the statement would have failed).
+    return {
         k: (checkpoint_id, [(name, step) for name, step in sorted(children)])
         for k, checkpoint_id, children in rows
     }
-    if len(answer) != len(checkpoints):
-        raise NotAllNew()
-    return answer
 
 
 def write_new(
@@ -321,8 +318,8 @@ def write_new(
     now: Any,
     node: str,
 ) -> dict[tuple[str, int], list[tuple[str, int]]]:
-    """The batch's new checkpoints in one statement (fresh_batch.py): the
-    same rows as ``_insert``; returns their children."""
+    """The batch's new checkpoints in one statement: the same rows as
+    ``batch_write._insert``; returns their children."""
     settings = resources.settings
     ordered = [plans[key] for key in sorted(plans) if plans[key].added]
     checkpoints: list[dict[str, Any]] = []
@@ -331,8 +328,7 @@ def write_new(
     files: list[dict[str, Any]] = []
     jobs: list[dict[str, Any]] = []
     for k, plan in enumerate(ordered):
-        first = plan.first
-        assert first is not None and plan.new
+        assert plan.new
         checkpoints.append({"k": k, "run": plan.run, **checkpoint_row(plan)})
         replicas.extend(
             {"k": k, "region": region, "uri": store.uri(layout.step_prefix(plan.run, plan.key[1]))}

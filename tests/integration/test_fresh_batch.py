@@ -232,3 +232,30 @@ async def test_a_checkpoint_another_agent_created_falls_back_to_the_full_way(
                 (0, a.settings.server.node),
                 (1, "node-b"),
             ]
+
+
+async def test_a_parent_in_the_same_batch_goes_the_full_way_in_a_transaction(
+    postgres_admin_url: str, tmp_path: Path
+) -> None:
+    """The statement reads children in its snapshot, which would miss a child
+    in the same batch: such a batch is written the full way, in a
+    transaction (not statement by statement in autocommit)."""
+    with pg.temp_database(postgres_admin_url) as url:
+        async with running_agent(url, tmp_path, start_worker=False) as agent:
+            await agent.register("r", 0, write_checkpoint(agent.ssd / "warm", {"w.bin": b"0"}))
+            batcher = agent.process.registrations
+            child = write_checkpoint(agent.ssd / "child", {"w.bin": b"c"})
+            parent = write_checkpoint(agent.ssd / "parent", {"w.bin": b"p"})
+            answers = await asyncio.gather(
+                submit_registration(
+                    agent.resources,
+                    batcher,
+                    _request("r", 31, child, parent={"run": "r", "step": 30}),
+                ),
+                submit_registration(agent.resources, batcher, _request("r", 30, parent)),
+            )
+            assert all(a.created for a in answers)
+            assert (batcher.fresh_batches, batcher.fresh_misses) == (0, 0)
+            record = answers[1].record
+            assert record is not None
+            assert [(c.run, c.step) for c in record.children] == [("r", 31)]

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tierckpt.service import db, sqlite_driver, write_gate
+from tierckpt.service import db, sqlite_driver
 from tierckpt.service.wal_sync import WalSync, wal_sync_for
 from tierckpt.service.write_gate import READ_ONLY, gate_for
 
@@ -96,13 +96,7 @@ async def test_commits_that_wait_together_share_one_fsync(
     monkeypatch.setattr(WalSync, "_fsync", slow_fsync)
     wal = wal_sync_for(path)
     before = wal.fsyncs
-    maker = db.create_sessionmaker(engine)
-
-    async def write(x: int) -> None:
-        async with db.transaction(maker) as session:
-            await session.execute(text("INSERT INTO t VALUES (:x)"), {"x": x})
-
-    await asyncio.gather(*(write(n) for n in range(10)))
+    await asyncio.gather(*(_insert(engine, n) for n in range(10)))
     # The first commit's fsync runs alone; the other nine commit meanwhile
     # (the lock is free) and share the next one.
     assert wal.fsyncs - before <= 3
@@ -118,13 +112,7 @@ async def test_begin_waits_for_another_process_lock_without_blocking_the_loop(
     other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     other.execute("BEGIN IMMEDIATE")  # another process's transaction, in effect
     other.execute("INSERT INTO t VALUES (1)")
-    maker = db.create_sessionmaker(engine)
-
-    async def write() -> None:
-        async with db.transaction(maker) as session:
-            await session.execute(text("INSERT INTO t VALUES (2)"))
-
-    task = asyncio.create_task(write())
+    task = asyncio.create_task(_insert(engine, 2))
     began = time.perf_counter()
     await asyncio.sleep(0.2)  # the loop runs on while the writer waits
     assert time.perf_counter() - began < 0.5
@@ -144,19 +132,13 @@ async def test_a_writer_cancelled_while_waiting_for_the_lock_frees_the_gate(
     engine, path = await _engine(tmp_path)
     other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     other.execute("BEGIN IMMEDIATE")
-    maker = db.create_sessionmaker(engine)
-
-    async def write(x: int) -> None:
-        async with db.transaction(maker) as session:
-            await session.execute(text("INSERT INTO t VALUES (:x)"), {"x": x})
-
-    task = asyncio.create_task(write(1))
+    task = asyncio.create_task(_insert(engine, 1))
     await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     other.execute("ROLLBACK")
-    await asyncio.wait_for(write(2), 10)  # the gate was not kept
+    await asyncio.wait_for(_insert(engine, 2), 10)  # the gate was not kept
     assert not gate_for(path)._held
     other.close()
     await engine.dispose()
@@ -215,21 +197,6 @@ def test_the_checkpoint_thread_moves_the_wal_into_the_database(tmp_path: Path) -
     busy, frames, done = writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     assert busy == 0 and frames == done  # nothing was left to copy
     writer.close()
-
-
-async def test_in_the_worker_process_a_transaction_waits_for_the_agents_flag(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    engine, _ = await _engine(tmp_path)
-    flag = write_gate.UrgentFlag()
-    monkeypatch.setitem(write_gate._URGENT, "yield", flag)  # as the worker process
-    flag.raise_()  # the agent has a registration on its way to the lock
-    task = asyncio.create_task(_insert(engine, 1))
-    await asyncio.sleep(0.05)
-    assert not task.done()  # has not begun: the lock stays free for the registration
-    flag.lower()
-    await asyncio.wait_for(task, 10)
-    await engine.dispose()
 
 
 async def _insert(engine: AsyncEngine, x: int) -> None:

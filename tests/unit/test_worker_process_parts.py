@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from tierckpt.service import db, write_gate
 from tierckpt.service.observability import metrics
@@ -122,12 +122,14 @@ async def test_background_transactions_yield_to_the_agents_raised_flag(
 ) -> None:
     flag = write_gate.UrgentFlag()
     monkeypatch.setitem(write_gate._URGENT, "yield", flag)
-    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}")
-    maker = async_sessionmaker(engine)
+    # The service's engine: its driver yields before BEGIN IMMEDIATE (sqlite_driver.py).
+    engine = db.create_engine(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}")
+    maker = db.create_sessionmaker(engine)
     entered = asyncio.Event()
 
     async def background() -> None:
-        async with write_gate.gated(maker):
+        async with db.transaction(maker) as session:
+            await session.execute(text("SELECT 1"))
             entered.set()
 
     flag.raise_()
@@ -135,7 +137,7 @@ async def test_background_transactions_yield_to_the_agents_raised_flag(
     for _ in range(20):
         await asyncio.sleep(0.001)
     assert not entered.is_set()  # waits while a registration wants the lock
-    async with write_gate.gated(maker, urgent=True):  # urgent ones never yield
+    async with write_gate.gated(maker):  # the registration writer never yields
         pass
     flag.lower()
     await asyncio.wait_for(task, 30)
