@@ -286,17 +286,28 @@ async def enqueue_verify(
     return added is not None
 
 
-async def enqueue_delete(
-    session: AsyncSession, checkpoint_id: int, reason: str, *, force: bool = False
-) -> bool:
-    added = await queue.enqueue(
-        session,
+def delete_row(checkpoint_id: int, reason: str, *, force: bool = False) -> dict[str, Any]:
+    """The row of a delete job (``enqueue_delete``, ``queue.enqueue_rows``)."""
+    return queue.job_values(
         JobKind.DELETE,
         checkpoint_id,
         payload=DeletePayload(reason, force).to_json(),
         max_attempts=KINDS[JobKind.DELETE].retry.attempts(),
     )
+
+
+async def enqueue_delete(
+    session: AsyncSession, checkpoint_id: int, reason: str, *, force: bool = False
+) -> bool:
+    added = await queue.enqueue_row(session, delete_row(checkpoint_id, reason, force=force))
     return added is not None
+
+
+def deleting(checkpoint_ids: list[int]) -> Any:
+    """Those of ``checkpoint_ids`` whose delete job is active (queued or
+    running: its dedupe key is set)."""
+    keys = [queue.dedupe_key(JobKind.DELETE, i, None, None) for i in checkpoint_ids]
+    return select(Job.checkpoint_id).where(Job.dedupe_key.in_(keys))
 
 
 async def enqueue_retention(session: AsyncSession, checkpoint: Checkpoint) -> None:

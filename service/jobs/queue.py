@@ -116,6 +116,15 @@ async def enqueue_row(session: AsyncSession, values: dict[str, Any]) -> int | No
     return job_id
 
 
+async def enqueue_rows(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
+    """``enqueue`` of several rows from ``job_values`` in one statement; how
+    many were added (those already active are skipped)."""
+    if not rows:
+        return 0
+    statement = _insert_ignoring_active(dialect_name(session)).values(rows).returning(Job.id)
+    return len((await session.execute(statement)).all())
+
+
 def enqueue_many(conn: Connection, rows: list[dict[str, Any]]) -> None:
     """Add several jobs (rows from ``job_values``) in one statement, skipping
     any that is already active; same transaction rule as ``enqueue``. On a

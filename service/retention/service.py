@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, TypeVar
 
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -19,7 +21,7 @@ from ..checkpoints import repository as repo
 from ..config import RetentionPolicySettings
 from ..db import reading, transaction
 from ..errors import NotFound
-from ..jobs import kinds
+from ..jobs import kinds, queue
 from ..models import Checkpoint, CheckpointState, File, Run, Shard, utcnow
 from ..prefetch import copies as prefetch_copies
 from ..resources import Resources
@@ -30,6 +32,10 @@ log = logging.getLogger("tierckpt.retention")
 
 # States whose objects retention may remove (a valid or once-valid copy exists).
 RETAINABLE = (CheckpointState.DURABLE, CheckpointState.REPLICATED, CheckpointState.CORRUPT)
+# Delete jobs queued per write transaction (see queue_deletions).
+DELETIONS_PER_TRANSACTION = 16
+
+T = TypeVar("T")
 
 
 def effective_policy(run: Run, resources: Resources) -> RetentionPolicySettings:
@@ -241,12 +247,16 @@ async def queue_deletions(resources: Resources, run_id: int | None = None) -> in
     """Queue the deletions retention asks for, in every run or in ``run_id``'s;
     how many were queued (a deletion queued already is not counted)."""
     # Planning reads every run's history: it runs on a read snapshot, with
-    # no write lock held (SQLite), and each run's deletions are queued in a
-    # short transaction of their own. A plan gone stale by then (a pin, a
-    # newer checkpoint failed) is treated as one gone stale after its
-    # deletions were queued: the delete job checks its refusals again under
-    # the checkpoint's lock (retention/jobs.py).
-    plans: list[tuple[str, list[tuple[int, int]]]] = []
+    # no write lock held (SQLite), and leaves out the checkpoints whose
+    # deletion is queued already: a run that registers faster than its
+    # deletions finish would otherwise have hundreds re-inserted (and
+    # skipped) at every pass. The rest are queued a few per short
+    # transaction, one statement each: every write transaction holds the
+    # one SQLite write lock that a trainer's registration waits for. A plan
+    # gone stale by then (a pin, a newer checkpoint failed) is treated as one
+    # gone stale after its deletions were queued: the delete job checks its
+    # refusals again under the checkpoint's lock (retention/jobs.py).
+    rows: list[dict[str, Any]] = []
     async with reading(resources.sessionmaker)() as session:
         runs = select(Run) if run_id is None else select(Run).where(Run.id == run_id)
         for run in list(await session.scalars(runs)):
@@ -255,15 +265,20 @@ async def queue_deletions(resources: Resources, run_id: int | None = None) -> in
             for step in sorted(plan.delete):
                 checkpoint = await repo.find_checkpoint(session, run.id, step)
                 if checkpoint is not None:
-                    victims.append((step, checkpoint.id))
-            if victims:
-                plans.append((plan.reason, victims))
+                    victims.append(checkpoint.id)
+            for some in _chunks(victims, DELETIONS_PER_TRANSACTION * 8):
+                queued = set(await session.scalars(kinds.deleting(some)))
+                rows += [kinds.delete_row(i, plan.reason) for i in some if i not in queued]
     deleted = 0
-    for reason, victims in plans:
+    for some_rows in _chunks(rows, DELETIONS_PER_TRANSACTION):
         async with transaction(resources.sessionmaker) as session:
-            for _step, checkpoint_id in victims:
-                deleted += await kinds.enqueue_delete(session, checkpoint_id, reason)
+            deleted += await queue.enqueue_rows(session, some_rows)
     return deleted
+
+
+def _chunks(items: list[T], size: int) -> Iterator[list[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 # -- the per-run retention endpoints ------------------------------------------

@@ -10,13 +10,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import event, select, update
 
 from devsupport.agent import Agent, running_agent, s3_region, write_checkpoint
 from devsupport.seaweed import SeaweedServer
-from tierckpt.service.db import transaction
-from tierckpt.service.models import Checkpoint, utcnow
-from tierckpt.service.retention.service import apply_all, evict_local_copies
+from tierckpt.service.db import reading, transaction
+from tierckpt.service.models import Checkpoint, CheckpointState, Job, JobKind, utcnow
+from tierckpt.service.retention.service import (
+    DELETIONS_PER_TRANSACTION,
+    apply_all,
+    evict_local_copies,
+    queue_deletions,
+)
 
 
 def keys_of_step(s3_client: Any, bucket: str, step: int) -> set[str]:
@@ -222,3 +227,56 @@ async def test_retention_applies_when_a_checkpoint_becomes_durable(
             4: "replicated",
             5: "replicated",
         }
+
+
+async def test_a_pass_queues_only_new_deletions_a_few_per_statement(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    """A run that registers faster than its deletions finish: each pass
+    queues what is new only, in short transactions of one statement each
+    (every write transaction holds the SQLite write lock a registration
+    waits for); checkpoints whose deletion is queued are left out when
+    planning, on the read snapshot."""
+    async with running_agent(
+        catalog_url,
+        tmp_path,
+        start_worker=False,  # the delete jobs stay queued
+        retention={"keep_last": 1, "interval_seconds": 3600},
+    ) as agent:
+        for step in range(1, 41):
+            ckpt = write_checkpoint(agent.ssd / f"s{step}", {"w.bin": 100 + step})
+            assert (await agent.register("r", step, ckpt)).status_code == 202
+        async with transaction(agent.resources.sessionmaker) as session:
+            await session.execute(update(Checkpoint).values(state=CheckpointState.DURABLE))
+
+        inserts: list[str] = []
+
+        def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            if statement.lstrip().upper().startswith("INSERT INTO JOBS"):
+                inserts.append(statement)
+
+        engine = agent.resources.engine.sync_engine
+        event.listen(engine, "before_cursor_execute", count)
+        try:
+            assert await queue_deletions(agent.resources) == 39
+            assert len(inserts) == -(-39 // DELETIONS_PER_TRANSACTION)
+            inserts.clear()
+            assert await queue_deletions(agent.resources) == 0
+            assert inserts == []  # all 39 were queued already: nothing written
+
+            # A newer checkpoint: the next pass queues its predecessor only.
+            ckpt = write_checkpoint(agent.ssd / "s41", {"w.bin": 141})
+            assert (await agent.register("r", 41, ckpt)).status_code == 202
+            async with transaction(agent.resources.sessionmaker) as session:
+                await session.execute(update(Checkpoint).values(state=CheckpointState.DURABLE))
+            assert await queue_deletions(agent.resources) == 1
+            assert len(inserts) == 1
+        finally:
+            event.remove(engine, "before_cursor_execute", count)
+        async with reading(agent.resources.sessionmaker)() as session:
+            deletes = list(
+                await session.scalars(select(Job.checkpoint_id).where(Job.kind == JobKind.DELETE))
+            )
+            rows = (await session.execute(select(Checkpoint.id, Checkpoint.step))).all()
+        steps = {checkpoint_id: step for checkpoint_id, step in rows}
+        assert sorted(steps[i] for i in deletes) == list(range(1, 41))
