@@ -14,7 +14,7 @@ from ..checkpoints import replicas
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import FINAL, commit_replica, lock_checkpoint
 from ..concurrency import gather_or_cancel
-from ..db import transaction
+from ..db import reading, transaction
 from ..jobs import kinds, queue
 from ..jobs.kinds import UploadMode, UploadPayload
 from ..jobs.worker import FollowUps, JobHandler, PermanentJobError, follow_ups, region_store
@@ -376,16 +376,25 @@ class UploadJobs:
     async def commit(self, job: Job) -> None:
         assert job.region is not None
         store = region_store(self.r.stores, job)
-        async with transaction(self.r.sessionmaker) as session:
-            checkpoint = await locked(session, job.checkpoint_id)
-            if checkpoint.state in FINAL:
+        # The manifest is built from a read snapshot: no write lock (SQLite)
+        # is held meanwhile, which a registration would wait for. What may
+        # change before the manifest lands (a deletion) is looked at again
+        # under the checkpoint's lock below.
+        async with reading(self.r.sessionmaker)() as session:
+            checkpoint = await session.get(Checkpoint, job.checkpoint_id)
+            if checkpoint is None:
+                raise PermanentJobError(f"checkpoint {job.checkpoint_id} no longer exists")
+            over = checkpoint.state in FINAL
+            if not over:
+                contents = await load_contents(session, checkpoint)
+                if not contents.complete:
+                    raise PermanentJobError("commit attempted before every shard was uploaded")
+                manifest = contents.manifest(checkpoint, store.key_layout)
+                key = contents.manifest_key(checkpoint)
+        if over:
+            async with transaction(self.r.sessionmaker) as session:
                 await queue.complete(session, job)
-                return
-            contents = await load_contents(session, checkpoint)
-            if not contents.complete:
-                raise PermanentJobError("commit attempted before every shard was uploaded")
-            manifest = contents.manifest(checkpoint, store.key_layout)
-            key = contents.manifest_key(checkpoint)
+            return
 
         try:
             await store.put_bytes(key, manifest)
