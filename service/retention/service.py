@@ -70,23 +70,34 @@ async def protected_steps(session: AsyncSession, run: Run, min_regions: int) -> 
 
 
 async def plan_for_run(session: AsyncSession, run: Run, resources: Resources) -> Plan:
-    rows = await session.scalars(
-        select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.state.in_(RETAINABLE))
-    )
-    history = [Candidate(c.step, c.created_at, dict(c.metrics or {})) for c in rows]
+    return (await _plan_and_ids(session, run, resources))[0]
+
+
+async def _plan_and_ids(
+    session: AsyncSession, run: Run, resources: Resources
+) -> tuple[Plan, dict[int, int]]:
+    """The run's plan, and the id of each step it considered. Columns, not
+    ORM objects: a run registering faster than its deletions finish has
+    thousands of candidates, planned at every checkpoint that turns durable."""
+    rows = (
+        await session.execute(
+            select(Checkpoint.id, Checkpoint.step, Checkpoint.created_at, Checkpoint.metrics).where(
+                Checkpoint.run_id == run.id, Checkpoint.state.in_(RETAINABLE)
+            )
+        )
+    ).all()
+    history = [Candidate(step, created, dict(metrics or {})) for _, step, created, metrics in rows]
     policy = build_policy(effective_policy(run, resources).model_dump())
     protected = await protected_steps(session, run, resources.settings.durability.min_regions)
-    return plan_retention(history, policy, protected, utcnow())
+    ids = {step: checkpoint_id for checkpoint_id, step, _, _ in rows}
+    return plan_retention(history, policy, protected, utcnow()), ids
 
 
 async def apply_run(session: AsyncSession, run: Run, resources: Resources) -> list[int]:
-    plan = await plan_for_run(session, run, resources)
+    plan, ids = await _plan_and_ids(session, run, resources)
     queued = []
     for step in sorted(plan.delete):
-        checkpoint = await repo.find_checkpoint(session, run.id, step)
-        if checkpoint is not None and await kinds.enqueue_delete(
-            session, checkpoint.id, plan.reason
-        ):
+        if step in ids and await kinds.enqueue_delete(session, ids[step], plan.reason):
             queued.append(step)
     return queued
 
@@ -260,12 +271,8 @@ async def queue_deletions(resources: Resources, run_id: int | None = None) -> in
     async with reading(resources.sessionmaker)() as session:
         runs = select(Run) if run_id is None else select(Run).where(Run.id == run_id)
         for run in list(await session.scalars(runs)):
-            plan = await plan_for_run(session, run, resources)
-            victims = []
-            for step in sorted(plan.delete):
-                checkpoint = await repo.find_checkpoint(session, run.id, step)
-                if checkpoint is not None:
-                    victims.append(checkpoint.id)
+            plan, ids = await _plan_and_ids(session, run, resources)
+            victims = [ids[step] for step in sorted(plan.delete) if step in ids]
             for some in _chunks(victims, DELETIONS_PER_TRANSACTION * 8):
                 queued = set(await session.scalars(kinds.deleting(some)))
                 rows += [kinds.delete_row(i, plan.reason) for i in some if i not in queued]
