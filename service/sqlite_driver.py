@@ -28,6 +28,12 @@ lock for its statements' own time. What could take long stays off the loop:
 * autocheckpoint is off (a checkpoint inside COMMIT would run on the loop):
   wal_sync.py checkpoints on its own thread.
 
+One call at a time on a connection, whichever thread makes it (its
+``_using`` lock), as aiosqlite's one thread per connection gave: a read
+whose awaiting task was cancelled goes on in its thread, and SQLAlchemy
+then rolls back, closes or terminates that connection; the sqlite3 module
+does not take two threads in one connection (or one cursor) at once.
+
 It is an aiosqlite stand-in for SQLAlchemy's aiosqlite dialect (the
 ``async_creator`` of ``create_async_engine``): URLs stay ``sqlite+aiosqlite://``.
 """
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,10 +99,14 @@ class _Immediately:
     """SQLAlchemy's adapter sets isolation_level through aiosqlite's queue:
     ``_tx.put_nowait((future, function))``. Here it runs at once."""
 
+    def __init__(self, using: threading.Lock) -> None:
+        self._using = using
+
     def put_nowait(self, item: tuple[asyncio.Future[Any], Callable[[], Any]]) -> None:
         future, function = item
         try:
-            future.set_result(function())
+            with self._using:
+                future.set_result(function())
         except Exception as exc:
             future.set_exception(exc)
 
@@ -108,7 +119,9 @@ class InlineConnection:
     ) -> None:
         self._conn = connection
         self._connection: sqlite3.Connection | None = connection
-        self._tx = _Immediately()
+        # Held by whichever thread calls into the connection (module docstring).
+        self._using = threading.Lock()
+        self._tx = _Immediately(self._using)
         self._path = path
         self._gate: WriteGate | None = None  # held: the running loop's gate of this file
         self._wal = wal
@@ -120,11 +133,30 @@ class InlineConnection:
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         if self._writing:
             try:
-                return function(*args)
+                return self._alone(function, *args)
             finally:
                 self._after()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_reads(), function, *args)
+        return await loop.run_in_executor(_reads(), self._alone, function, *args)
+
+    def _alone(self, function: Callable[..., T], *args: Any) -> T:
+        """``function`` with no other thread in the connection. On the loop
+        the lock is free (the connection's last call returned there), except
+        after a cancelled read still running in its thread: then the loop
+        waits for that read, whose end it needs anyway."""
+        with self._using:
+            return function(*args)
+
+    def _soon(self, function: Callable[[], Any]) -> None:
+        """``function`` now if no thread is in the connection, else on the
+        read pool once the one there is done (a sync caller must not wait)."""
+        if self._using.acquire(blocking=False):
+            try:
+                function()
+            finally:
+                self._using.release()
+        else:
+            _reads().submit(self._alone, function)
 
     def _after(self) -> None:
         """The write transaction ended (COMMIT or ROLLBACK, also as SQL, or
@@ -148,11 +180,11 @@ class InlineConnection:
             deadline = loop.time() + self._timeout
             tries = 0
             # Never SQLite's busy handler here: it would sleep on the loop.
-            self._conn.execute("PRAGMA busy_timeout=0")
+            self._alone(self._conn.execute, "PRAGMA busy_timeout=0")
             try:
                 while True:
                     try:
-                        cursor.execute(sql)
+                        self._alone(cursor.execute, sql)
                         break
                     except sqlite3.OperationalError as exc:
                         if not _busy(exc) or loop.time() > deadline:
@@ -160,10 +192,11 @@ class InlineConnection:
                     await asyncio.sleep(_PAUSES[min(tries, len(_PAUSES) - 1)])
                     tries += 1
             finally:
-                self._conn.execute(f"PRAGMA busy_timeout={int(self._timeout * 1000)}")
+                wait = f"PRAGMA busy_timeout={int(self._timeout * 1000)}"
+                self._alone(self._conn.execute, wait)
         except BaseException:
             if self._conn.in_transaction:
-                self._conn.rollback()
+                self._alone(self._conn.rollback)
             self._release()
             raise
         self._writing = True
@@ -176,7 +209,7 @@ class InlineConnection:
         return self._conn.isolation_level
 
     def cursor(self) -> InlineCursor:
-        return InlineCursor(self, self._conn.cursor())
+        return InlineCursor(self, self._alone(self._conn.cursor))
 
     async def execute(self, sql: str, parameters: Sequence[Any] | None = None) -> InlineCursor:
         cursor = self.cursor()
@@ -201,13 +234,14 @@ class InlineConnection:
         self._connection = None
         self._release()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(_reads(), self._conn.close)
+        await loop.run_in_executor(_reads(), self._alone, self._conn.close)
 
     def stop(self) -> None:
-        """Forced close (SQLAlchemy's terminate)."""
+        """Forced close (SQLAlchemy's terminate): at once, or after the call
+        a cancelled task left running in the connection."""
         self._connection = None
         self._release()
-        self._conn.close()
+        self._soon(self._conn.close)
 
 
 class InlineCursor:
@@ -248,7 +282,7 @@ class InlineCursor:
         return await self._owner._run(self._cursor.fetchall)
 
     async def close(self) -> None:
-        self._cursor.close()
+        self._owner._soon(self._cursor.close)
 
     @property
     def description(self) -> Any:

@@ -178,6 +178,48 @@ async def test_reads_outside_a_write_transaction_run_off_the_loop(tmp_path: Path
     await engine.dispose()
 
 
+def _closed(connection: sqlite3.Connection) -> bool:
+    try:
+        connection.in_transaction  # noqa: B018 - raises once closed
+    except sqlite3.ProgrammingError:
+        return True
+    return False
+
+
+async def test_a_cancelled_read_finishes_in_its_thread_before_the_connection_closes(
+    tmp_path: Path,
+) -> None:
+    """SQLAlchemy terminates a connection whose query was cancelled (a
+    request the client gave up on); the read goes on in its thread meanwhile.
+    Closing the sqlite3 connection under it, from another thread, is a use
+    of one connection by two threads at once: the close waits for the read."""
+    connection = await sqlite_driver.connector(str(tmp_path / "c.db"))()
+    raw = connection._conn
+    entered, release = threading.Event(), threading.Event()
+
+    def blocked() -> int:
+        entered.set()
+        release.wait(10)
+        return 1
+
+    raw.create_function("blocked", 0, blocked)
+    cursor = connection.cursor()
+    read = asyncio.create_task(cursor.execute("SELECT blocked()"))
+    assert await asyncio.to_thread(entered.wait, 10)
+    read.cancel()
+    await asyncio.gather(read, return_exceptions=True)
+
+    await cursor.close()
+    connection.stop()
+    assert not _closed(raw)  # the read is still in it
+    release.set()
+    for _ in range(200):
+        if _closed(raw):
+            break
+        await asyncio.sleep(0.01)
+    assert _closed(raw)
+
+
 def test_the_checkpoint_thread_moves_the_wal_into_the_database(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     writer = sqlite3.connect(path, isolation_level=None)
