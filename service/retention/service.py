@@ -34,6 +34,9 @@ log = logging.getLogger("tierckpt.retention")
 RETAINABLE = (CheckpointState.DURABLE, CheckpointState.REPLICATED, CheckpointState.CORRUPT)
 # Delete jobs queued per write transaction (see queue_deletions).
 DELETIONS_PER_TRANSACTION = 16
+# Checkpoint ids per lookup of already queued deletions: one IN list each,
+# well under SQLite's limit of bound parameters.
+IDS_PER_LOOKUP = 128
 
 T = TypeVar("T")
 
@@ -273,7 +276,7 @@ async def queue_deletions(resources: Resources, run_id: int | None = None) -> in
         for run in list(await session.scalars(runs)):
             plan, ids = await _plan_and_ids(session, run, resources)
             victims = [ids[step] for step in sorted(plan.delete) if step in ids]
-            for some in _chunks(victims, DELETIONS_PER_TRANSACTION * 8):
+            for some in _chunks(victims, IDS_PER_LOOKUP):
                 queued = set(await session.scalars(kinds.deleting(some)))
                 rows += [kinds.delete_row(i, plan.reason) for i in some if i not in queued]
     deleted = 0
