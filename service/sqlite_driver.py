@@ -25,6 +25,11 @@ lock for its statements' own time. What could take long stays off the loop:
 * statements outside a write transaction (reads, PRAGMAs, deferred BEGIN of
   the read-only sessions) run on a small thread pool of their own, as
   aiosqlite ran them, since a read may scan a lot;
+* a background transaction of the worker process may give the lock up to
+  a waiting registration before any of its statements (write_gate.py,
+  ``give_way_if_asked``), rolled back and run again;
+* while it holds the lock, no garbage collection, and in the worker process
+  the agent's niceness (lock_holder.py);
 * autocheckpoint is off (a checkpoint inside COMMIT would run on the loop):
   wal_sync.py checkpoints on its own thread.
 
@@ -48,8 +53,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from . import lock_holder
 from .wal_sync import WalSync, wal_sync_for
-from .write_gate import WriteGate, gate_for, yield_to_agent
+from .write_gate import WriteGate, gate_for, give_way_if_asked, yield_to_agent
 
 T = TypeVar("T")
 
@@ -127,6 +133,7 @@ class InlineConnection:
         self._wal = wal
         self._timeout = timeout
         self._writing = False  # in a write transaction: holds the gate and the lock
+        self._held: lock_holder.Held | None = None  # what lock_holder.holding changed
 
     # -- where a statement runs ---------------------------------------------
 
@@ -166,6 +173,9 @@ class InlineConnection:
 
     def _release(self) -> None:
         self._writing = False
+        held, self._held = self._held, None
+        if held is not None:
+            lock_holder.released(held)
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.release()
@@ -200,6 +210,7 @@ class InlineConnection:
             self._release()
             raise
         self._writing = True
+        self._held = lock_holder.holding()
         return cursor
 
     # -- the aiosqlite.Connection interface ---------------------------------
@@ -260,13 +271,18 @@ class InlineCursor:
     async def execute(self, sql: str, parameters: Sequence[Any] | None = None) -> InlineCursor:
         if sql.lstrip()[:15].upper() == "BEGIN IMMEDIATE":
             await self._owner._begin_immediate(self._cursor, sql)
-        elif parameters is None:
+            return self
+        if self._owner._writing:
+            give_way_if_asked()
+        if parameters is None:
             await self._owner._run(self._cursor.execute, sql)
         else:
             await self._owner._run(self._cursor.execute, sql, parameters)
         return self
 
     async def executemany(self, sql: str, parameters: Iterable[Sequence[Any]]) -> InlineCursor:
+        if self._owner._writing:
+            give_way_if_asked()
         await self._owner._run(self._cursor.executemany, sql, parameters)
         return self
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ import subprocess
 import sys
 from typing import Any
 
+from . import lock_holder
 from .config import Settings
 from .write_gate import share_urgent_flag, urgent_flag_raised_by_agent
 
@@ -243,6 +245,9 @@ class _Child:
         status = 0
         try:
             worker, passes = background(resources)
+            # As the agent does (app.py): what lives as long as the process
+            # is out of the collector's sight from now on.
+            gc.freeze()
             tasks = {"worker": worker.start()}
             tasks.update({f"{p.name} pass": p.start() for p in passes})
             commands = asyncio.create_task(self._commands(worker))
@@ -342,7 +347,9 @@ def main(argv: list[str]) -> int:
     return_large_buffers_to_os()
     configure_logging(settings.server.log_format)
     if settings.worker.process_nice:
-        os.nice(settings.worker.process_nice)
+        agent_nice = os.nice(0)
+        worker_nice = os.nice(settings.worker.process_nice)
+        lock_holder.inherit_priority(agent_nice, worker_nice)
     sock.setblocking(False)
     try:
         import uvloop

@@ -42,10 +42,12 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import sqlite3
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,46 @@ async def yield_to_agent() -> None:
     # Polled: the flag is another process's memory, no event tells us it fell.
     while flag.raised() and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.0002)
+
+
+class GaveWay(sqlite3.OperationalError):
+    """A background write transaction stopped before its next statement and
+    rolled back, because the agent's registration writer is waiting for the
+    write lock (``give_way_if_asked``); ``db.transaction_giving_way`` runs it
+    again once the registration has gone through."""
+
+
+# Set while a background transaction that may give way runs (its body can
+# run again from the start: db.transaction_giving_way).
+_MAY_GIVE_WAY: ContextVar[bool] = ContextVar("tierckpt_may_give_way", default=False)
+
+
+def may_give_way(allowed: bool) -> Any:
+    """Mark the running task's next transaction as one that may give way
+    (``True``) or not; returns the token for ``ContextVar.reset``."""
+    return _MAY_GIVE_WAY.set(allowed)
+
+
+def end_giving_way(token: Any) -> None:
+    _MAY_GIVE_WAY.reset(token)
+
+
+def give_way_if_asked() -> None:
+    """In the worker process, before each statement of a write transaction
+    that may give way: raise ``GaveWay`` while the agent's flag is raised.
+
+    The flag falls once a registration holds the lock, so the wait before
+    BEGIN (``yield_to_agent``) orders only the transactions that have not
+    begun: a registration arriving while one runs waited for all of it, a few
+    milliseconds of the worker's Python (a niced process on CPUs the uploads
+    keep busy), which made most of its lock wait under load. Rolled back
+    before any statement of it commits, the transaction has changed nothing;
+    the registration waits for the statement in progress and the rollback."""
+    if not _MAY_GIVE_WAY.get():
+        return
+    flag = _URGENT.get("yield")
+    if flag is not None and flag.raised():
+        raise GaveWay("gave the catalog's write lock to a waiting registration")
 
 
 # Per event loop: a gate's futures belong to one loop. Two loops of one

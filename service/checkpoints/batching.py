@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .. import lock_holder
 from ..db import create_sync_engine, create_writer_engine
 from ..errors import Conflict, is_catalog_outage
 from ..observability import metrics
@@ -290,19 +291,25 @@ class RegistrationBatcher:
         self, engine: Engine, items: list[Registration], phases: Phases
     ) -> tuple[list[Outcome | BaseException], dict[str, int]]:
         began = time.perf_counter()
-        with engine.connect() as conn:
-            # BEGIN IMMEDIATE (db._on_begin): waits for SQLite's write lock.
-            with conn.begin():
-                wrote = time.perf_counter()
-                phases.add("lock", wrote - began)
-                flag = raising_urgent()
-                if flag is not None:
-                    flag.lower()
-                out = write_batch(conn, items, self.r, self._run_ids)
-                committing = time.perf_counter()
-                phases.add("write", committing - wrote)
-            synced = time.perf_counter()
-            phases.add("commit", synced - committing)
+        # No garbage collection from the lock's request to its release
+        # (lock_holder.py): the trainer waits for all of it.
+        held = lock_holder.holding()
+        try:
+            with engine.connect() as conn:
+                # BEGIN IMMEDIATE (db._on_begin): waits for SQLite's write lock.
+                with conn.begin():
+                    wrote = time.perf_counter()
+                    phases.add("lock", wrote - began)
+                    flag = raising_urgent()
+                    if flag is not None:
+                        flag.lower()
+                    out = write_batch(conn, items, self.r, self._run_ids)
+                    committing = time.perf_counter()
+                    phases.add("write", committing - wrote)
+                synced = time.perf_counter()
+                phases.add("commit", synced - committing)
+        finally:
+            lock_holder.released(held)
         # COMMIT released the lock (synchronous=NORMAL); the answer waits for
         # the WAL on disk (wal_sync.py), the worker's writers no longer do.
         wal_sync_for(engine.url.database or "").sync()

@@ -28,12 +28,13 @@ import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import partial
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from ..config import WorkerSettings
-from ..db import reading, transaction
+from ..db import reading, transaction, transaction_giving_way
 from ..models import Job, JobKind
 from ..observability import metrics
 from ..observability.context import bind_job
@@ -248,14 +249,16 @@ class Worker:
         self._wakeup.set()
 
     async def _claim(self) -> Job | None:
-        async with transaction(self._sessionmaker) as session:
-            return await queue.claim(
-                session,
+        return await transaction_giving_way(
+            self._sessionmaker,
+            partial(
+                queue.claim,
                 owner=self.owner,
                 node=self.node,
                 lease_seconds=self._settings.lease_seconds,
                 node_work_only=self._draining,
-            )
+            ),
+        )
 
     async def _execute(self, job: Job) -> None:
         """Run ``job``, then the follow-ups it claimed, one after another."""

@@ -134,6 +134,13 @@ REGISTER_PHASE_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
     registry=REGISTRY,
 )
+GAVE_WAY = Counter(
+    "tierckpt_catalog_gave_way",
+    "Background catalog transactions of the worker process rolled back before "
+    "their next statement because a registration was waiting for SQLite's "
+    "write lock, then run again.",
+    registry=REGISTRY,
+)
 HTTP_REQUESTS = Counter(
     "tierckpt_http_requests",
     "HTTP requests answered, by route template and status code.",
@@ -163,6 +170,7 @@ _REGION_FAMILIES = (
 # agent (``worker_samples``) and ``/metrics`` adds them to the agent's own
 # (``with_worker``): one agent, one set of series, as before.
 _WORKER_FAMILIES = (
+    GAVE_WAY,
     UPLOADED_BYTES,
     DEDUP_BYTES,
     UPLOAD_SECONDS,
@@ -318,6 +326,10 @@ def observe_served(region: str, range_header: str | None, size: int) -> None:
 
 
 _OUTCOMES = {"release": "released", "retry": "retried", "fail": "failed"}
+
+
+def observe_gave_way() -> None:
+    GAVE_WAY.inc()
 
 
 def observe_job(kind: str, outcome: str) -> None:

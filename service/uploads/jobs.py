@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from ..checkpoints import replicas
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import FINAL, commit_replica, lock_checkpoint
 from ..concurrency import gather_or_cancel
-from ..db import reading, transaction
+from ..db import reading, transaction, transaction_giving_way
 from ..jobs import kinds, queue
 from ..jobs.kinds import UploadMode, UploadPayload
 from ..jobs.worker import FollowUps, JobHandler, PermanentJobError, follow_ups, region_store
@@ -61,6 +62,18 @@ async def mark_checkpoint_failed(session: AsyncSession, checkpoint_id: int, reas
     checkpoint.error = reason
 
 
+@dataclass(frozen=True)
+class _Start:
+    """What an upload read from the catalog as it began."""
+
+    run: str
+    step: int
+    rank: int
+    base: Path
+    files: list[File]
+    fan_outs: list[Job]
+
+
 class HashDisagrees(Exception):
     """Two reads of the same registered file gave different SHA-256s."""
 
@@ -97,12 +110,12 @@ class UploadJobs:
         teed = self._teed.pop(job.id, None)
         sent_along = teed[1] if teed is not None and teed[0] == job.lease_token else None
         next_jobs = follow_ups()
-        fan_outs: list[Job] = []
-        async with transaction(self.r.sessionmaker) as session:
+
+        async def start(session: AsyncSession) -> _Start | None:
             checkpoint = await locked(session, job.checkpoint_id)
             if checkpoint.state in FINAL:
                 await queue.complete(session, job)
-                return
+                return None
             run = await session.get_one(Run, checkpoint.run_id)
             shard = await session.get_one(Shard, job.shard_id)
             files = list(await session.scalars(select(File).where(File.shard_id == shard.id)))
@@ -112,9 +125,16 @@ class UploadJobs:
                     shard.state = ShardState.UPLOADING
                 if checkpoint.state == CheckpointState.REGISTERED:
                     checkpoint.state = CheckpointState.UPLOADING
-            run_name, step, rank, base = run.name, checkpoint.step, shard.rank, Path(shard.path)
+            fan_outs = []
             if mode == UploadMode.PRIMARY:
                 fan_outs = await self._fan_out(session, checkpoint, job, next_jobs)
+            return _Start(run.name, checkpoint.step, shard.rank, Path(shard.path), files, fan_outs)
+
+        started = await transaction_giving_way(self.r.sessionmaker, start)
+        if started is None:
+            return
+        run_name, step, rank, base = started.run, started.step, started.rank, started.base
+        files, fan_outs = started.files, started.fan_outs
         for fan_out in fan_outs:
             # Run in this task after this job, whatever becomes of it: with
             # the bytes this job sent them, or on their own if it failed.
@@ -147,39 +167,41 @@ class UploadJobs:
         metrics.observe_dedup(job.region, sum(u.size for u in uploaded) - sent)
 
         by_path = {u.relative: u for u in uploaded}
-        commit: Job | None = None
-        async with transaction(self.r.sessionmaker) as session:
+
+        async def finish(session: AsyncSession) -> tuple[bool, Job | None]:
+            """(deleted meanwhile, the commit job this task claimed)."""
+            assert job.region is not None
             checkpoint = await locked(session, job.checkpoint_id)
-            deleted = checkpoint.state == CheckpointState.DELETED
-            if deleted:
+            if checkpoint.state == CheckpointState.DELETED:
                 await queue.complete(session, job)
-            elif repair:
+                return True, None
+            if repair:
                 await queue.complete(session, job)
                 await self._commit_repair_when_complete(session, checkpoint, job.region)
-                return
-            else:
-                try:
-                    await _record_hashes(session, job.shard_id, by_path)
-                except HashDisagrees as exc:
-                    raise PermanentJobError(str(exc)) from exc
-                await queue.complete(session, job)
-                await session.execute(
-                    update(Shard)
-                    .where(Shard.id == job.shard_id, Shard.state != ShardState.UPLOADED)
-                    .values(state=ShardState.UPLOADED, uploaded_at=utcnow(), error=None)
-                )
-                commit_id = await self._enqueue_commit_when_complete(
-                    session, checkpoint, job.region
-                )
-                if commit_id is not None and next_jobs is not None:
-                    # The manifest next, in this task: no trip through the
-                    # queue between the last byte and the commit marker.
-                    commit = await queue.claim_queued(
-                        session,
-                        commit_id,
-                        owner=next_jobs.owner,
-                        lease_seconds=next_jobs.lease_seconds,
-                    )
+                return False, None
+            try:
+                await _record_hashes(session, job.shard_id, by_path)
+            except HashDisagrees as exc:
+                raise PermanentJobError(str(exc)) from exc
+            await queue.complete(session, job)
+            await session.execute(
+                update(Shard)
+                .where(Shard.id == job.shard_id, Shard.state != ShardState.UPLOADED)
+                .values(state=ShardState.UPLOADED, uploaded_at=utcnow(), error=None)
+            )
+            commit_id = await self._enqueue_commit_when_complete(session, checkpoint, job.region)
+            if commit_id is None or next_jobs is None:
+                return False, None
+            # The manifest next, in this task: no trip through the queue
+            # between the last byte and the commit marker.
+            commit = await queue.claim_queued(
+                session, commit_id, owner=next_jobs.owner, lease_seconds=next_jobs.lease_seconds
+            )
+            return False, commit
+
+        deleted, commit = await transaction_giving_way(self.r.sessionmaker, finish)
+        if repair and not deleted:
+            return
         if deleted:
             # Deleted while this upload ran: its delete job may have gone
             # through the region before these objects landed. Take them back.
@@ -401,16 +423,21 @@ class UploadJobs:
         except StoreError:
             raise  # retried with backoff by the worker
 
-        async with transaction(self.r.sessionmaker) as session:
+        async def committed(session: AsyncSession) -> bool:
+            """Whether the checkpoint was deleted meanwhile."""
+            assert job.region is not None
             checkpoint = await locked(session, job.checkpoint_id)
             await queue.complete(session, job)
             # Deleted while the manifest was being written (its delete job may
             # have gone through this region before it landed): no commit
             # marker may outlive the checkpoint (a catalog rebuild reads
             # them), and its replica stays as the deletion left it.
-            deleted = checkpoint.state == CheckpointState.DELETED
-            if not deleted:
-                await self._committed(session, checkpoint, job.region, manifest)
+            if checkpoint.state == CheckpointState.DELETED:
+                return True
+            await self._committed(session, checkpoint, job.region, manifest)
+            return False
+
+        deleted = await transaction_giving_way(self.r.sessionmaker, committed)
         if deleted:
             await _withdraw(store, [key])
 

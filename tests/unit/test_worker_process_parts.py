@@ -6,10 +6,12 @@ shared flag by which the worker process's transactions yield to it."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sqlite3
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -17,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from tierckpt.service import db, write_gate
+from tierckpt.service import db, lock_holder, write_gate
 from tierckpt.service.observability import metrics
 
 
@@ -149,6 +151,84 @@ async def test_background_transactions_yield_to_the_agents_raised_flag(
     await engine.dispose()
 
 
+async def _counting_table(tmp_path: Path) -> tuple[object, object]:
+    engine = db.create_engine(f"sqlite+aiosqlite:///{tmp_path / 'c.db'}")
+    async with engine.begin() as conn:
+        await conn.execute(text("CREATE TABLE t (n INTEGER)"))
+    return engine, db.create_sessionmaker(engine)
+
+
+def _gave_way() -> float:
+    return _values(generate_latest(metrics.REGISTRY), "tierckpt_catalog_gave_way").get(
+        ("tierckpt_catalog_gave_way_total", ()), 0.0
+    )
+
+
+async def test_a_background_transaction_gives_way_mid_transaction_and_runs_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The flag raised while a transaction that may give way runs: it rolls
+    back before its next statement (nothing it wrote stays), lets the lock go,
+    and runs again from the start once the flag falls."""
+    flag = write_gate.UrgentFlag()
+    monkeypatch.setitem(write_gate._URGENT, "yield", flag)
+    engine, maker = await _counting_table(tmp_path)
+    runs = 0
+    before = _gave_way()
+
+    async def body(session) -> int:  # type: ignore[no-untyped-def]
+        nonlocal runs
+        runs += 1
+        await session.execute(text("INSERT INTO t VALUES (1)"))
+        if runs == 1:
+            # A registration arrives (the agent's writer raises the flag at
+            # submit) while this transaction holds the lock.
+            flag.raise_()
+            asyncio.get_running_loop().call_later(0.05, flag.lower)
+        await session.execute(text("INSERT INTO t VALUES (2)"))
+        return runs
+
+    assert await db.transaction_giving_way(maker, body) == 2
+    async with maker() as session:
+        rows = (await session.execute(text("SELECT n FROM t ORDER BY n"))).scalars().all()
+    assert rows == [1, 2]  # the first run's insert was rolled back
+    assert _gave_way() == before + 1
+    await engine.dispose()
+
+
+async def test_a_plain_transaction_never_gives_way_and_a_giving_one_ends(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Only ``transaction_giving_way`` gives way (its body may run twice;
+    another transaction's may not), and under a flag that never falls it
+    still runs to the end after ``GIVE_WAY_MAX`` tries."""
+    flag = write_gate.UrgentFlag()
+    monkeypatch.setitem(write_gate._URGENT, "yield", flag)
+    monkeypatch.setattr(write_gate, "YIELD_MAX", 0.01)
+    engine, maker = await _counting_table(tmp_path)
+
+    async with db.transaction(maker) as session:
+        await session.execute(text("INSERT INTO t VALUES (1)"))
+        flag.raise_()
+        await session.execute(text("INSERT INTO t VALUES (2)"))
+
+    runs = 0
+
+    async def body(session) -> None:  # type: ignore[no-untyped-def]
+        nonlocal runs
+        runs += 1
+        await session.execute(text("INSERT INTO t VALUES (3)"))
+        await session.execute(text("INSERT INTO t VALUES (4)"))
+
+    await db.transaction_giving_way(maker, body)
+    assert runs == db.GIVE_WAY_MAX + 1
+    async with maker() as session:
+        rows = (await session.execute(text("SELECT n FROM t ORDER BY n"))).scalars().all()
+    assert rows == [1, 2, 3, 4]
+    flag.lower()
+    await engine.dispose()
+
+
 def test_the_eager_begin_raises_the_flag_while_it_waits(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -175,3 +255,44 @@ def test_the_eager_begin_raises_the_flag_while_it_waits(
     waiter.execute("ROLLBACK")
     holder.close()
     waiter.close()
+
+
+def test_a_lock_holder_defers_the_collector_until_the_last_releases() -> None:
+    assert gc.isenabled()
+    first = lock_holder.holding()
+    second = lock_holder.holding()  # the registration writer's, a moment together
+    assert not gc.isenabled()
+    lock_holder.released(first)
+    assert not gc.isenabled()
+    lock_holder.released(second)
+    assert gc.isenabled()
+
+
+def test_the_worker_lock_holder_runs_at_the_agents_niceness(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a thread niced as the worker process is: holding the lock takes the
+    agent's niceness back, the release restores the worker's. Lowering a
+    niceness needs CAP_SYS_NICE: without it nothing changes."""
+    monkeypatch.setattr(lock_holder, "_NICE", None)
+    seen: dict[str, Any] = {}
+
+    def worker_thread() -> None:
+        me = threading.get_native_id()
+        agent = os.getpriority(os.PRIO_PROCESS, me)
+        os.setpriority(os.PRIO_PROCESS, me, agent + 5)  # raising one is always allowed
+        seen["permitted"] = lock_holder.inherit_priority(agent, agent + 5)
+        held = lock_holder.holding()
+        seen["holding"] = os.getpriority(os.PRIO_PROCESS, me)
+        lock_holder.released(held)
+        seen["released"] = os.getpriority(os.PRIO_PROCESS, me)
+        seen["agent"] = agent
+
+    thread = threading.Thread(target=worker_thread)
+    thread.start()
+    thread.join()
+    assert seen["released"] == seen["agent"] + 5
+    if seen["permitted"]:
+        assert seen["holding"] == seen["agent"]
+    else:
+        assert seen["holding"] == seen["agent"] + 5
