@@ -291,13 +291,15 @@ class RegistrationBatcher:
         self, engine: Engine, items: list[Registration], phases: Phases
     ) -> tuple[list[Outcome | BaseException], dict[str, int]]:
         began = time.perf_counter()
-        # No garbage collection from the lock's request to its release
-        # (lock_holder.py): the trainer waits for all of it.
-        held = lock_holder.holding()
+        held: lock_holder.Held | None = None
         try:
             with engine.connect() as conn:
                 # BEGIN IMMEDIATE (db._on_begin): waits for SQLite's write lock.
                 with conn.begin():
+                    # No garbage collection until the COMMIT has released the
+                    # lock (lock_holder.py): the trainers wait for all of it,
+                    # and so does every other writer.
+                    held = lock_holder.holding()
                     wrote = time.perf_counter()
                     phases.add("lock", wrote - began)
                     flag = raising_urgent()
@@ -309,7 +311,8 @@ class RegistrationBatcher:
                 synced = time.perf_counter()
                 phases.add("commit", synced - committing)
         finally:
-            lock_holder.released(held)
+            if held is not None:
+                lock_holder.released(held)
         # COMMIT released the lock (synchronous=NORMAL); the answer waits for
         # the WAL on disk (wal_sync.py), the worker's writers no longer do.
         wal_sync_for(engine.url.database or "").sync()
