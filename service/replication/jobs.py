@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from dataclasses import dataclass
+from functools import partial
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -21,7 +22,7 @@ from ..checkpoints import replicas
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import commit_replica, lock_checkpoint
 from ..concurrency import gather_or_cancel
-from ..db import transaction
+from ..db import transaction_giving_way
 from ..jobs import queue
 from ..jobs.worker import JobHandler, region_store
 from ..models import CheckpointState, Job, JobKind, Replica, ReplicaState
@@ -114,7 +115,7 @@ class ReplicationJobs:
         return {JobKind.REPLICATE: JobHandler(run=self.replicate, on_failure=self.failed)}
 
     async def _plan(self, job: Job) -> _Plan | None:
-        async with transaction(self.r.sessionmaker) as session:
+        async def plan(session: AsyncSession) -> _Plan | None:
             checkpoint = await lock_checkpoint(session, job.checkpoint_id)
             if checkpoint is None or checkpoint.state in (
                 CheckpointState.FAILED,
@@ -146,17 +147,25 @@ class ReplicationJobs:
                 if r.region in self.r.stores
             ]
             contents = await load_contents(session, checkpoint)
-            manifest = contents.manifest(checkpoint, region_store(self.r.stores, job).key_layout)
-            manifest_key = contents.manifest_key(checkpoint)
-            step_prefix = contents.step_prefix(checkpoint)
-            objects = contents.objects
-        if not sources:
+            layout = region_store(self.r.stores, job).key_layout
+            return _Plan(
+                sources,
+                contents.objects,
+                contents.manifest(checkpoint, layout),
+                contents.manifest_key(checkpoint),
+                contents.step_prefix(checkpoint),
+            )
+
+        found = await transaction_giving_way(self.r.sessionmaker, plan)
+        if found is None:
+            return None
+        if not found.sources:
             # Nothing intact to copy from yet (primary still uploading, or every
             # copy corrupt): wait with backoff rather than fail.
             raise StoreError(f"no committed region to replicate {job.region} from yet")
         primary = self.r.settings.primary_region.name
-        sources.sort(key=lambda name: name != primary)
-        return _Plan(sources, objects, manifest, manifest_key, step_prefix)
+        found.sources.sort(key=lambda name: name != primary)
+        return found
 
     async def replicate(self, job: Job) -> None:
         assert job.region is not None
@@ -180,22 +189,30 @@ class ReplicationJobs:
                 errors.append(f"{name}: {exc}")
                 continue
             await target.put_bytes(plan.manifest_key, manifest)
-            async with transaction(self.r.sessionmaker) as session:
-                checkpoint = await lock_checkpoint(session, job.checkpoint_id)
-                assert checkpoint is not None
-                await queue.complete(session, job)
-                await commit_replica(
-                    session,
-                    checkpoint,
-                    job.region,
-                    manifest_digest(manifest),
-                    verified=verified,
-                    min_regions=self.r.settings.durability.min_regions,
-                    region_count=len(self.r.settings.regions),
-                )
+            await transaction_giving_way(
+                self.r.sessionmaker, partial(self._committed, job, manifest, verified)
+            )
             metrics.observe_replication(job.region, sum(o.size for o in objects))
             return
         raise StoreError("every source region failed: " + "; ".join(errors))
+
+    async def _committed(
+        self, job: Job, manifest: bytes, verified: bool, session: AsyncSession
+    ) -> None:
+        """The region's manifest is written: its replica is committed."""
+        assert job.region is not None
+        checkpoint = await lock_checkpoint(session, job.checkpoint_id)
+        assert checkpoint is not None
+        await queue.complete(session, job)
+        await commit_replica(
+            session,
+            checkpoint,
+            job.region,
+            manifest_digest(manifest),
+            verified=verified,
+            min_regions=self.r.settings.durability.min_regions,
+            region_count=len(self.r.settings.regions),
+        )
 
     async def _copy_all(
         self, source: ObjectStore, target: ObjectStore, objects: list[ObjectEntry]

@@ -1,7 +1,8 @@
 """The worker's transactions that give the SQLite write lock up to a waiting
 registration (write_gate.give_way_if_asked, db.transaction_giving_way) are
-rolled back part-way and run again: the real upload, fan-out and commit jobs
-still leave exactly what they leave when nothing interrupts them.
+rolled back part-way and run again: the real upload, fan-out, commit and
+replicate jobs still leave exactly what they leave when nothing interrupts
+them.
 
 The agent's flag is stood in for by one that reads as raised at every third
 look, so the jobs' transactions give way at varying statements, several times
@@ -42,7 +43,9 @@ def _gave_way() -> float:
     return 0.0
 
 
+@pytest.mark.parametrize("fan_out", [True, False], ids=["fan-out", "replicate"])
 async def test_jobs_rolled_back_part_way_and_run_again_leave_the_same_result(
+    fan_out: bool,
     tmp_path: Path,
     seaweed: SeaweedServer,
     s3_bucket: str,
@@ -59,7 +62,7 @@ async def test_jobs_rolled_back_part_way_and_run_again_leave_the_same_result(
     monkeypatch.setattr(db, "GIVE_WAY_MAX", 4)
     before = _gave_way()
     regions = two_regions(seaweed, s3_bucket, seaweed_west, west_bucket)
-    async with running_agent(catalog_url, tmp_path, regions, upload={"fan_out": True}) as agent:
+    async with running_agent(catalog_url, tmp_path, regions, upload={"fan_out": fan_out}) as agent:
         contents = {"big.bin": 6 << 20, "a/small": b"s", "empty": b""}
         for step in (1, 2):
             ckpt = write_checkpoint(agent.ssd / f"s{step}", contents)
@@ -77,12 +80,19 @@ async def test_jobs_rolled_back_part_way_and_run_again_leave_the_same_result(
                 for j in done["jobs"]
                 if j["kind"] in ("upload", "commit")
             )
-            assert jobs == [
-                ("commit", "east", "succeeded"),
-                ("commit", "west", "succeeded"),
-                ("upload", "east", "succeeded"),
-                ("upload", "west", "succeeded"),
-            ]
+            if fan_out:
+                assert jobs == [
+                    ("commit", "east", "succeeded"),
+                    ("commit", "west", "succeeded"),
+                    ("upload", "east", "succeeded"),
+                    ("upload", "west", "succeeded"),
+                ]
+            else:
+                assert jobs == [("commit", "east", "succeeded"), ("upload", "east", "succeeded")]
+                replicate = [
+                    (j["region"], j["state"]) for j in done["jobs"] if j["kind"] == "replicate"
+                ]
+                assert replicate == [("west", "succeeded")]
             for entry in done["files"]:
                 digest = remote_sha256(s3_client, s3_bucket, object_key("llm", step, entry["path"]))
                 assert digest == entry["sha256"]
