@@ -107,7 +107,6 @@ def _begin_eagerly(dbapi_connection: Any) -> None:
     registration finding a 3 ms job transaction in progress would wait 8 ms
     for it. The write gate spares that in one process; across processes the
     registration writer, on a trainer's critical path, polls instead."""
-    _h0 = time.time()
     try:
         dbapi_connection.execute("BEGIN IMMEDIATE")
         return
@@ -129,10 +128,6 @@ def _begin_eagerly(dbapi_connection: Any) -> None:
             tries += 1
             try:
                 dbapi_connection.execute("BEGIN IMMEDIATE")
-                import os as _os
-
-                with open(f"/tmp/h/reg-{_os.getpid()}.log", "a") as _f:
-                    _f.write(f"{_h0:.6f} {(time.time() - _h0) * 1000:.3f} {tries}\n")
                 return
             except sqlite3.OperationalError as exc:
                 if "locked" not in str(exc) and "busy" not in str(exc):
