@@ -308,10 +308,12 @@ async def transaction(
         yield session
 
 
-# Times a transaction gives way before it runs to the end regardless: under a
-# stream of registrations it must still finish (each try lost only the time
-# up to a statement).
+# Times a transaction gives way, and for how long in all, before it runs to
+# the end regardless: under a stream of registrations it must still finish
+# (each try lost only the time up to a statement), and a flag that stays
+# raised (write_gate.YIELD_MAX) must not make every transaction retry for long.
 GIVE_WAY_MAX = 32
+GIVE_WAY_SECONDS = 1.0
 
 
 async def transaction_giving_way(
@@ -325,7 +327,10 @@ async def transaction_giving_way(
     than once: it must only read and write the catalog through ``session``
     (no I/O, nothing done outside it that a second run would repeat), and
     its result is the last run's. Anywhere else it is ``transaction``."""
+    until = time.monotonic() + GIVE_WAY_SECONDS
     for _ in range(GIVE_WAY_MAX):
+        if time.monotonic() > until:
+            break
         token = may_give_way(True)
         try:
             async with transaction(sessionmaker) as session:

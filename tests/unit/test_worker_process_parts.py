@@ -201,10 +201,11 @@ async def test_a_plain_transaction_never_gives_way_and_a_giving_one_ends(
 ) -> None:
     """Only ``transaction_giving_way`` gives way (its body may run twice;
     another transaction's may not), and under a flag that never falls it
-    still runs to the end after ``GIVE_WAY_MAX`` tries."""
+    still runs to the end after ``GIVE_WAY_MAX`` tries or ``GIVE_WAY_SECONDS``."""
     flag = write_gate.UrgentFlag()
     monkeypatch.setitem(write_gate._URGENT, "yield", flag)
     monkeypatch.setattr(write_gate, "YIELD_MAX", 0.01)
+    monkeypatch.setattr(db, "GIVE_WAY_SECONDS", 60.0)  # the count ends it here
     engine, maker = await _counting_table(tmp_path)
 
     async with db.transaction(maker) as session:
@@ -222,9 +223,14 @@ async def test_a_plain_transaction_never_gives_way_and_a_giving_one_ends(
 
     await db.transaction_giving_way(maker, body)
     assert runs == db.GIVE_WAY_MAX + 1
+    # Nor for longer than GIVE_WAY_SECONDS in all, whatever the count.
+    runs = 0
+    monkeypatch.setattr(db, "GIVE_WAY_SECONDS", 0.0)
+    await db.transaction_giving_way(maker, body)
+    assert runs <= 2
     async with maker() as session:
         rows = (await session.execute(text("SELECT n FROM t ORDER BY n"))).scalars().all()
-    assert rows == [1, 2, 3, 4]
+    assert rows == [1, 2, 3, 3, 4, 4]
     flag.lower()
     await engine.dispose()
 
