@@ -10,6 +10,8 @@ each, before they run to the end."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +38,19 @@ class _EveryThirdLook:
         return self.looks % 3 == 0
 
 
-def _gave_way() -> float:
-    for line in generate_latest(metrics.REGISTRY).decode().splitlines():
-        if line.startswith("tierckpt_catalog_gave_way_total "):
+GAVE_WAY = "tierckpt_catalog_gave_way_total"
+
+
+def _series(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+def _gave_way() -> float:
+    """This process's count (the in-process worker's)."""
+    return _series(generate_latest(metrics.REGISTRY).decode(), GAVE_WAY)
 
 
 @pytest.mark.parametrize("fan_out", [True, False], ids=["fan-out", "replicate"])
@@ -100,3 +110,35 @@ async def test_jobs_rolled_back_part_way_and_run_again_leave_the_same_result(
         assert latest["step"] == 2
     assert flag.looks > 0
     assert _gave_way() - before >= 8  # the jobs' transactions did give way
+
+
+async def test_the_worker_process_gives_way_to_a_stream_of_registrations(tmp_path: Path) -> None:
+    """Real processes, the real flag: registrations one after another while
+    the worker process uploads and commits the earlier ones (SQLite, worker
+    in its own process, as under `tierckpt serve`). Its transactions give
+    way (the counter it reports through the agent's /metrics rises) and
+    every checkpoint still becomes durable with its bytes."""
+    catalog_url = f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"
+    count = 150
+    worker = {"separate_process": "yes"}
+    async with running_agent(catalog_url, tmp_path, worker_process=True, worker=worker) as agent:
+        before = _series((await agent.http.get("/metrics")).text, GAVE_WAY)
+        for step in range(1, count + 1):
+            ckpt = write_checkpoint(agent.ssd / f"s{step}", {"model.bin": step.to_bytes(4, "big")})
+            assert (await agent.register("stream", step, ckpt)).status_code == 202
+            if step == 10:
+                # The rest while the worker uploads and commits these.
+                await agent.wait_state("stream", 1, timeout=120)
+        for step in range(1, count + 1):
+            done = await agent.wait_state("stream", step, timeout=120)
+            assert [f["sha256"] for f in done["files"]] == [
+                hashlib.sha256(step.to_bytes(4, "big")).hexdigest()
+            ]
+        assert (await agent.http.get("/v1/runs/stream/latest")).json()["step"] == count
+        # The worker process reports its counters about once a second.
+        for _ in range(100):
+            gave_way = _series((await agent.http.get("/metrics")).text, GAVE_WAY)
+            if gave_way > before:
+                break
+            await asyncio.sleep(0.1)
+        assert gave_way > before
