@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from .observability import metrics
 from .sqlite_driver import LOCK_WAIT, connector
-from .write_gate import READ_ONLY, GaveWay, end_giving_way, may_give_way, raising_urgent
+from .write_gate import READ_ONLY, GaveWay, giving_way, raising_urgent
 
 T = TypeVar("T")
 
@@ -331,16 +331,14 @@ async def transaction_giving_way(
     for _ in range(GIVE_WAY_MAX):
         if time.monotonic() > until:
             break
-        token = may_give_way(True)
         try:
-            async with transaction(sessionmaker) as session:
-                return await body(session)
+            with giving_way():
+                async with transaction(sessionmaker) as session:
+                    return await body(session)
         except OperationalError as exc:
             if not isinstance(exc.orig, GaveWay):
                 raise
             metrics.observe_gave_way()
-        finally:
-            end_giving_way(token)
     async with transaction(sessionmaker) as session:
         return await body(session)
 

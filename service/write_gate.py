@@ -45,8 +45,8 @@ import os
 import sqlite3
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -176,14 +176,14 @@ class GaveWay(sqlite3.OperationalError):
 _MAY_GIVE_WAY: ContextVar[bool] = ContextVar("tierckpt_may_give_way", default=False)
 
 
-def may_give_way(allowed: bool) -> Any:
-    """Mark the running task's next transaction as one that may give way
-    (``True``) or not; returns the token for ``ContextVar.reset``."""
-    return _MAY_GIVE_WAY.set(allowed)
-
-
-def end_giving_way(token: Any) -> None:
-    _MAY_GIVE_WAY.reset(token)
+@contextmanager
+def giving_way() -> Iterator[None]:
+    """The running task's transactions inside may give way."""
+    token = _MAY_GIVE_WAY.set(True)
+    try:
+        yield
+    finally:
+        _MAY_GIVE_WAY.reset(token)
 
 
 def give_way_if_asked() -> None:

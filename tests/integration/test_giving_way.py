@@ -22,6 +22,7 @@ from devsupport.agent import running_agent, write_checkpoint
 from devsupport.seaweed import SeaweedServer
 from tests.integration.test_regions import key as object_key
 from tests.integration.test_regions import remote_sha256, two_regions, west_bucket  # noqa: F401
+from tests.integration.test_worker_process import _value
 from tierckpt.service import db, write_gate
 from tierckpt.service.observability import metrics
 
@@ -41,16 +42,9 @@ class _EveryThirdLook:
 GAVE_WAY = "tierckpt_catalog_gave_way_total"
 
 
-def _series(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
 def _gave_way() -> float:
     """This process's count (the in-process worker's)."""
-    return _series(generate_latest(metrics.REGISTRY).decode(), GAVE_WAY)
+    return _value(generate_latest(metrics.REGISTRY).decode(), GAVE_WAY)
 
 
 @pytest.mark.parametrize("fan_out", [True, False], ids=["fan-out", "replicate"])
@@ -122,7 +116,7 @@ async def test_the_worker_process_gives_way_to_a_stream_of_registrations(tmp_pat
     count = 150
     worker = {"separate_process": "yes"}
     async with running_agent(catalog_url, tmp_path, worker_process=True, worker=worker) as agent:
-        before = _series((await agent.http.get("/metrics")).text, GAVE_WAY)
+        before = _value((await agent.http.get("/metrics")).text, GAVE_WAY)
         for step in range(1, count + 1):
             ckpt = write_checkpoint(agent.ssd / f"s{step}", {"model.bin": step.to_bytes(4, "big")})
             assert (await agent.register("stream", step, ckpt)).status_code == 202
@@ -137,7 +131,7 @@ async def test_the_worker_process_gives_way_to_a_stream_of_registrations(tmp_pat
         assert (await agent.http.get("/v1/runs/stream/latest")).json()["step"] == count
         # The worker process reports its counters about once a second.
         for _ in range(100):
-            gave_way = _series((await agent.http.get("/metrics")).text, GAVE_WAY)
+            gave_way = _value((await agent.http.get("/metrics")).text, GAVE_WAY)
             if gave_way > before:
                 break
             await asyncio.sleep(0.1)
