@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
-from sqlalchemy import MetaData
+from sqlalchemy import MetaData, text
 from sqlalchemy.orm import DeclarativeBase
 
 # Named constraints keep Alembic migrations identical on SQLite and PostgreSQL.
@@ -19,6 +20,14 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def not_null(column: str) -> dict[str, Any]:
+    """The keyword arguments of an Index holding only rows where ``column``
+    is set (a partial index, on both databases). Queries comparing the
+    column with ``=`` use it; the rows left out cost no index write."""
+    condition = text(f"{column} IS NOT NULL")
+    return {"sqlite_where": condition, "postgresql_where": condition}
 
 
 def utcnow() -> datetime:

@@ -22,7 +22,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.sql.expression import false
 
-from .base import Base, utcnow
+from .base import Base, not_null, utcnow
 
 
 class CheckpointState(enum.StrEnum):
@@ -49,8 +49,8 @@ class Checkpoint(Base):
         # on both databases, tests/integration/test_latest_catalog.py.)
         Index("ix_checkpoints_latest", "run_id", "state", "step"),
         # A checkpoint's children (lineage, and every detail and `latest`
-        # answer) are looked up by their parent.
-        Index("ix_checkpoints_parent", "parent_run", "parent_step"),
+        # answer) are looked up by their parent; only those that have one.
+        Index("ix_checkpoints_parent", "parent_run", "parent_step", **not_null("parent_run")),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

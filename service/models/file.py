@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .base import Base
+from .base import Base, not_null
 
 
 class File(Base):
@@ -14,11 +14,13 @@ class File(Base):
         UniqueConstraint("shard_id", "path"),
         # Dedup asks "is a file with this SHA-256 already committed in the
         # region?" for every large file it may skip (service/uploads/dedup.py).
-        Index("ix_files_sha256", "sha256"),
+        # Only hashed files: a registration writes one B-tree page less.
+        Index("ix_files_sha256", "sha256", **not_null("sha256")),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"), index=True)
+    # Looked up through the (shard_id, path) unique index, which leads with it.
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"))
     # Relative to the shard's directory, POSIX separators.
     path: Mapped[str] = mapped_column(Text)
     size: Mapped[int] = mapped_column(BigInteger)

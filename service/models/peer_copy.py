@@ -28,7 +28,8 @@ class PeerCopy(Base):
     __table_args__ = (UniqueConstraint("shard_id", "node"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"), index=True)
+    # Looked up through the (shard_id, node) unique index.
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"))
     # Denormalised from the shard: a checkpoint's copies are read in one query.
     checkpoint_id: Mapped[int] = mapped_column(
         ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True

@@ -23,9 +23,8 @@ class Replica(Base):
     __table_args__ = (UniqueConstraint("checkpoint_id", "region"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    checkpoint_id: Mapped[int] = mapped_column(
-        ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True
-    )
+    # Looked up through the (checkpoint_id, region) unique index.
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
     region: Mapped[str] = mapped_column(String(128))
     state: Mapped[str] = mapped_column(String(16), default=ReplicaState.PENDING)
     uri: Mapped[str] = mapped_column(Text)

@@ -24,9 +24,8 @@ class Shard(Base):
     __table_args__ = (UniqueConstraint("checkpoint_id", "rank"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    checkpoint_id: Mapped[int] = mapped_column(
-        ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True
-    )
+    # Looked up through the (checkpoint_id, rank) unique index.
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
     rank: Mapped[int] = mapped_column(Integer)
     node: Mapped[str] = mapped_column(String(255))
     path: Mapped[str] = mapped_column(Text)
