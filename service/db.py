@@ -139,6 +139,14 @@ def _begin_eagerly(dbapi_connection: Any) -> None:
             flag.lower()
 
 
+def in_sync_session(maker: sessionmaker[Session], read: Callable[..., T], *args: Any) -> T:
+    """Run ``read`` in one (read-only) transaction of a plain Session of
+    ``create_sync_readers``, in the calling thread (one hop to a thread for
+    a whole read)."""
+    with maker() as session, session.begin():
+        return read(session, *args)
+
+
 def create_sync_readers(engine: AsyncEngine) -> sessionmaker[Session] | None:
     """Read-only plain sessions on SQLite (snapshot reads, no write lock),
     to run a whole read in one thread hop; None on PostgreSQL."""

@@ -13,13 +13,13 @@ and equals the checkpoint's detail view).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
+from ..db import in_sync_session
 from ..errors import BadInput, NotFound
 from ..prefetch import copies
 from ..resources import Resources
@@ -28,13 +28,6 @@ from .presenter import Listing, latest_document, to_json
 from .repository import LatestRows
 
 T = TypeVar("T")
-
-
-def _in_sync_session(maker: sessionmaker[Session], read: Callable[..., T], *args: Any) -> T:
-    """Run ``read`` in one (read-only) transaction of a plain Session, in the
-    calling thread."""
-    with maker() as session, session.begin():
-        return read(session, *args)
 
 
 async def latest_json(
@@ -85,7 +78,7 @@ async def read_latest_rows(
     snapshot. PostgreSQL: on ``maker``'s pool, once more after a disconnect."""
     if readers is not None:
         return await asyncio.to_thread(
-            _in_sync_session, readers, repo.latest_rows, run, min_regions, region
+            in_sync_session, readers, repo.latest_rows, run, min_regions, region
         )
     return await _read_with_retry(maker, run, min_regions, region)
 

@@ -57,24 +57,24 @@ async def find_checkpoint(
     return await session.scalar(statement)
 
 
+def _shards(checkpoint_ids: Sequence[int]) -> Select[Shard]:
+    return select(Shard).where(Shard.checkpoint_id.in_(checkpoint_ids)).order_by(Shard.rank)
+
+
+def _replicas(checkpoint_ids: Sequence[int]) -> Select[Replica]:
+    return select(Replica).where(Replica.checkpoint_id.in_(checkpoint_ids)).order_by(Replica.id)
+
+
 async def shards_of(session: AsyncSession, checkpoint_ids: Sequence[int]) -> list[Shard]:
     if not checkpoint_ids:
         return []
-    return list(
-        await session.scalars(
-            select(Shard).where(Shard.checkpoint_id.in_(checkpoint_ids)).order_by(Shard.rank)
-        )
-    )
+    return list(await session.scalars(_shards(checkpoint_ids)))
 
 
 async def replicas_of(session: AsyncSession, checkpoint_ids: Sequence[int]) -> list[Replica]:
     if not checkpoint_ids:
         return []
-    return list(
-        await session.scalars(
-            select(Replica).where(Replica.checkpoint_id.in_(checkpoint_ids)).order_by(Replica.id)
-        )
-    )
+    return list(await session.scalars(_replicas(checkpoint_ids)))
 
 
 async def files_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[int, File]]:
@@ -98,15 +98,18 @@ FILE_COLUMNS = (
 FileRow = Any
 
 
-async def file_rows(session: AsyncSession, checkpoint_id: int) -> Sequence[FileRow]:
-    """The checkpoint's files as FILE_COLUMNS rows, by rank then path."""
-    rows = await session.execute(
+def _file_rows(checkpoint_id: int) -> Select[int, str, int, str | None]:
+    return (
         select(*FILE_COLUMNS)
         .join(File, File.shard_id == Shard.id)
         .where(Shard.checkpoint_id == checkpoint_id)
         .order_by(Shard.rank, File.path)
     )
-    return rows.all()
+
+
+async def file_rows(session: AsyncSession, checkpoint_id: int) -> Sequence[FileRow]:
+    """The checkpoint's files as FILE_COLUMNS rows, by rank then path."""
+    return (await session.execute(_file_rows(checkpoint_id))).all()
 
 
 async def chunk_hashes(
@@ -456,14 +459,53 @@ async def list_runs(
     return [(run, count, top) for run, count, top in rows], int(total or 0)
 
 
-async def jobs_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[Job, int | None]]:
-    rows = await session.execute(
+def _jobs(checkpoint_id: int) -> Select[Job, int]:
+    return (
         select(Job, Shard.rank)
         .outerjoin(Shard, Shard.id == Job.shard_id)
         .where(Job.checkpoint_id == checkpoint_id)
         .order_by(Job.id)
     )
-    return [(job, rank) for job, rank in rows]
+
+
+async def jobs_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[Job, int | None]]:
+    return [(job, rank) for job, rank in await session.execute(_jobs(checkpoint_id))]
+
+
+@dataclass(frozen=True)
+class DetailRows:
+    """What a checkpoint's detail view lists, read in one snapshot."""
+
+    checkpoint: Checkpoint
+    shards: list[Shard]
+    replicas: list[Replica]
+    children: list[tuple[str, int]]
+    files: Sequence[FileRow]
+    jobs: list[tuple[Job, int | None]]
+
+
+def detail_rows(session: Session, run: str, step: int) -> DetailRows | None:
+    """The checkpoint ``run``/``step`` and its rows (None: there is none),
+    written against a plain (sync) Session like latest_rows: on SQLite the
+    whole read is one hop to a database thread, not a turn of the event
+    loop per statement. The detail is what callers poll while they wait
+    for a checkpoint, so it runs often beside registrations."""
+    checkpoint = session.scalar(
+        select(Checkpoint)
+        .join(Run, Run.id == Checkpoint.run_id)
+        .where(Run.name == run, Checkpoint.step == step)
+    )
+    if checkpoint is None:
+        return None
+    ids = [checkpoint.id]
+    return DetailRows(
+        checkpoint=checkpoint,
+        shards=list(session.scalars(_shards(ids))),
+        replicas=list(session.scalars(_replicas(ids))),
+        children=[(name, child) for name, child in session.execute(children_statement(run, step))],
+        files=session.execute(_file_rows(checkpoint.id)).all(),
+        jobs=[(job, rank) for job, rank in session.execute(_jobs(checkpoint.id))],
+    )
 
 
 async def last_durable_by_region(

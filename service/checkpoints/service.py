@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from urllib.parse import quote
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..db import reading
+from ..db import in_sync_session, reading
 from ..draining import DrainState
 from ..errors import BadInput, Conflict, NotFound
 from ..jobs.kinds import enqueue_delete, enqueue_verify
@@ -18,6 +19,7 @@ from ..models import (
     Checkpoint,
     CheckpointState,
     ReplicaState,
+    Shard,
     utcnow,
 )
 from ..observability import metrics
@@ -142,6 +144,16 @@ async def register(
         return await service.summary(request.run, request.step), outcome.created
 
 
+@dataclass(frozen=True)
+class Detail:
+    """The detail view, and the rows the memory tier's lookup reads its
+    copies from (T0 and the peers' ranks)."""
+
+    checkpoint: Checkpoint
+    shards: list[Shard]
+    out: CheckpointOut
+
+
 class CheckpointService:
     def __init__(self, session: AsyncSession, resources: Resources) -> None:
         self.session = session
@@ -166,8 +178,35 @@ class CheckpointService:
 
     async def get(self, run: str, step: int) -> CheckpointOut:
         """The detail view: with the files and the checkpoint's jobs."""
-        checkpoint = await self._checkpoint(run, step)
-        return await self.describe(run, checkpoint, with_files=True, with_jobs=True)
+        return (await self.detail(run, step)).out
+
+    async def detail(self, run: str, step: int) -> Detail:
+        """The detail view and the rows it was made of: the memory tier's
+        lookup adds the copies from them without reading them again."""
+        if self.r.sync_readers is not None:  # SQLite: the whole read in one thread hop
+            rows = await asyncio.to_thread(
+                in_sync_session, self.r.sync_readers, repo.detail_rows, run, step
+            )
+        else:
+            rows = await self.session.run_sync(repo.detail_rows, run, step)
+        if rows is None:
+            # The NotFound that says which is missing (or, registered since,
+            # the checkpoint read the other way).
+            checkpoint = await self._checkpoint(run, step)
+            shards = await repo.shards_of(self.session, [checkpoint.id])
+            listing = await self._listing(
+                run, checkpoint, shards=shards, with_files=True, with_jobs=True
+            )
+            return Detail(checkpoint, shards, checkpoint_out(run, checkpoint, listing))
+        listing = Listing(
+            shards=rows.shards,
+            replicas=rows.replicas,
+            children=rows.children,
+            files=rows.files,
+            jobs=rows.jobs,
+            regions=list(self.r.stores),
+        )
+        return Detail(rows.checkpoint, rows.shards, checkpoint_out(run, rows.checkpoint, listing))
 
     async def summary(self, run: str, step: int) -> CheckpointOut:
         """The checkpoint without its files and jobs (a registration's answer)."""
@@ -193,15 +232,29 @@ class CheckpointService:
     async def describe(
         self, run: str, checkpoint: Checkpoint, *, with_files: bool, with_jobs: bool = False
     ) -> CheckpointOut:
-        listing = Listing(
-            shards=await repo.shards_of(self.session, [checkpoint.id]),
+        shards = await repo.shards_of(self.session, [checkpoint.id])
+        listing = await self._listing(
+            run, checkpoint, shards=shards, with_files=with_files, with_jobs=with_jobs
+        )
+        return checkpoint_out(run, checkpoint, listing)
+
+    async def _listing(
+        self,
+        run: str,
+        checkpoint: Checkpoint,
+        *,
+        shards: list[Shard],
+        with_files: bool,
+        with_jobs: bool,
+    ) -> Listing:
+        return Listing(
+            shards=shards,
             replicas=await repo.replicas_of(self.session, [checkpoint.id]),
             children=await repo.children_of(self.session, run, checkpoint.step),
             files=await repo.file_rows(self.session, checkpoint.id) if with_files else None,
             jobs=await repo.jobs_of(self.session, checkpoint.id) if with_jobs else None,
             regions=list(self.r.stores),
         )
-        return checkpoint_out(run, checkpoint, listing)
 
     async def list(
         self,

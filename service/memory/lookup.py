@@ -46,19 +46,24 @@ async def detail(
     committed copy. A
     checkpoint only staged in memory is answered from the arena."""
     try:
-        out = await service.get(run, step)
+        detail = await service.detail(run, step)
     except NotFound:
         staged = memory.staged_of(run, step) if memory is not None else []
         if not staged:
             raise
         return CheckpointOut.model_validate(memory.staged_document(run, staged))  # type: ignore[union-attr]
+    # The copies come from the rows the detail has read (the shards: T0 and
+    # the peers' ranks); this answer is what callers poll while they wait.
+    out, shards = detail.out, detail.shards
     copies: list[dict[str, Any]] = []
     if memory is not None:
         copies += memory.memory_copies(memory.held(run, step))
-    copies += await _t0_copies(service, run, step)
-    peers = await peer_view(service.session, run, step, service.settings.peers.copies)
+    copies += _t0_copies(shards)
+    peers = await peer_view(
+        service.session, detail.checkpoint, shards, service.settings.peers.copies
+    )
     copies += peers.copies
-    copies += await _prefetched_copies(service, out)
+    copies += await _prefetched_copies(service, detail.checkpoint.id, out)
     copies += [
         {
             "tier": "region",
@@ -80,31 +85,21 @@ async def detail(
     )
 
 
-async def _t0_copies(service: CheckpointService, run: str, step: int) -> list[dict[str, Any]]:
-    rows = await service.session.execute(
-        select(Shard)
-        .join(Checkpoint, Checkpoint.id == Shard.checkpoint_id)
-        .join(Run, Run.id == Checkpoint.run_id)
-        .where(Run.name == run, Checkpoint.step == step, Shard.evicted_at.is_(None))
-        .order_by(Shard.rank)
-    )
+def _t0_copies(shards: list[Shard]) -> list[dict[str, Any]]:
+    """The shards not evicted from T0, by rank (``shards`` are in rank order)."""
     return [
         {"tier": "t0", "node": s.node, "rank": s.rank, "path": s.path, "region": None, "uri": None}
-        for s in rows.scalars()
+        for s in shards
+        if s.evicted_at is None
     ]
 
 
 async def _prefetched_copies(
-    service: CheckpointService, out: CheckpointOut
+    service: CheckpointService, checkpoint_id: int, out: CheckpointOut
 ) -> list[dict[str, Any]]:
     """This agent's node's intact prefetched copy of the checkpoint, rank by
     rank (prefetch/copies.py); other nodes' are theirs to vouch for."""
-    checkpoint_id = await service.session.scalar(
-        select(Checkpoint.id)
-        .join(Run, Run.id == Checkpoint.run_id)
-        .where(Run.name == out.run, Checkpoint.step == out.step)
-    )
-    if checkpoint_id is None or not out.files:
+    if not out.files:
         return []
     settings = service.settings
     ranks = await asyncio.to_thread(

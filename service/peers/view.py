@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..models import Checkpoint, PeerCopyState, Run, Shard
+from ..models import Checkpoint, PeerCopyState, Shard
 from .repository import copies_of
 from .state import by_node, peer_safe
 
@@ -21,24 +21,13 @@ class PeerView:
     copies: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def peer_view(session: AsyncSession, run: str, step: int, needed: int) -> PeerView:
-    checkpoint = (
-        await session.execute(
-            select(Checkpoint.id, Checkpoint.world_size)
-            .join(Run, Run.id == Checkpoint.run_id)
-            .where(Run.name == run, Checkpoint.step == step)
-        )
-    ).one_or_none()
-    if checkpoint is None:
-        return PeerView()
-    checkpoint_id, world_size = checkpoint
-    shards = {
-        shard_id: (node, rank)
-        for shard_id, node, rank in await session.execute(
-            select(Shard.id, Shard.node, Shard.rank).where(Shard.checkpoint_id == checkpoint_id)
-        )
-    }
-    copies = await copies_of(session, [checkpoint_id])
+async def peer_view(
+    session: AsyncSession, checkpoint: Checkpoint, shard_rows: Iterable[Shard], needed: int
+) -> PeerView:
+    """From the checkpoint and shard rows the detail view has read already."""
+    world_size = checkpoint.world_size
+    shards = {s.id: (s.node, s.rank) for s in shard_rows}
+    copies = await copies_of(session, [checkpoint.id])
     view = PeerView(
         peers=[
             {
