@@ -275,15 +275,19 @@ async def enqueue_replication(
 async def enqueue_verify(
     session: AsyncSession, checkpoint_id: int, region: str, priority: int = 0
 ) -> bool:
-    added = await queue.enqueue(
-        session,
+    added = await queue.enqueue_row(session, verify_row(checkpoint_id, region, priority))
+    return added is not None
+
+
+def verify_row(checkpoint_id: int, region: str, priority: int = 0) -> dict[str, Any]:
+    """The row of a verify job (``enqueue_verify``, ``queue.enqueue_rows``)."""
+    return queue.job_values(
         JobKind.VERIFY,
         checkpoint_id,
         region=region,
         priority=priority,
         max_attempts=KINDS[JobKind.VERIFY].retry.attempts(),
     )
-    return added is not None
 
 
 def delete_row(checkpoint_id: int, reason: str, *, force: bool = False) -> dict[str, Any]:
