@@ -111,14 +111,19 @@ class UploadJobs:
         sent_along = teed[1] if teed is not None and teed[0] == job.lease_token else None
         next_jobs = follow_ups()
 
-        async def start(session: AsyncSession) -> _Start | None:
+        async def start(session: AsyncSession) -> _Start | list[str] | None:
+            """What to upload; or, the checkpoint deleted, the keys to take back."""
             checkpoint = await locked(session, job.checkpoint_id)
-            if checkpoint.state in FINAL:
+            if checkpoint.state == CheckpointState.FAILED:
                 await queue.complete(session, job)
                 return None
             run = await session.get_one(Run, checkpoint.run_id)
             shard = await session.get_one(Shard, job.shard_id)
             files = list(await session.scalars(select(File).where(File.shard_id == shard.id)))
+            if checkpoint.state == CheckpointState.DELETED:
+                # An earlier run of this job may have landed objects after the
+                # deletion's sweep and been killed before taking them back.
+                return [layout.object_key(run.name, checkpoint.step, shard.rank, f.path) for f in files]
             if not repair:
                 # A fan-out upload may start after the primary has finished.
                 if shard.state == ShardState.REGISTERED:
@@ -132,6 +137,9 @@ class UploadJobs:
 
         started = await transaction_giving_way(self.r.sessionmaker, start)
         if started is None:
+            return
+        if isinstance(started, list):
+            await self._withdraw_then_complete(store, started, job)
             return
         run_name, step, rank, base = started.run, started.step, started.rank, started.base
         files, fan_outs = started.files, started.fan_outs
@@ -173,7 +181,6 @@ class UploadJobs:
             assert job.region is not None
             checkpoint = await locked(session, job.checkpoint_id)
             if checkpoint.state == CheckpointState.DELETED:
-                await queue.complete(session, job)
                 return True, None
             if repair:
                 await queue.complete(session, job)
@@ -205,7 +212,7 @@ class UploadJobs:
         if deleted:
             # Deleted while this upload ran: its delete job may have gone
             # through the region before these objects landed. Take them back.
-            await _withdraw(store, [s.key for s in sources])
+            await self._withdraw_then_complete(store, [s.key for s in sources], job)
             return
         if commit is not None:
             assert next_jobs is not None
@@ -407,15 +414,20 @@ class UploadJobs:
             if checkpoint is None:
                 raise PermanentJobError(f"checkpoint {job.checkpoint_id} no longer exists")
             over = checkpoint.state in FINAL
-            if not over:
+            if over:
+                run = await session.get_one(Run, checkpoint.run_id)
+                key = layout.manifest_key(run.name, checkpoint.step)
+            else:
                 contents = await load_contents(session, checkpoint)
                 if not contents.complete:
                     raise PermanentJobError("commit attempted before every shard was uploaded")
                 manifest = contents.manifest(checkpoint, store.key_layout)
                 key = contents.manifest_key(checkpoint)
         if over:
-            async with transaction(self.r.sessionmaker) as session:
-                await queue.complete(session, job)
+            # Deleted: an earlier run of this job may have written the manifest
+            # and been killed before taking it back (below).
+            deleted = checkpoint.state == CheckpointState.DELETED
+            await self._withdraw_then_complete(store, [key] if deleted else [], job)
             return
 
         try:
@@ -427,19 +439,26 @@ class UploadJobs:
             """Whether the checkpoint was deleted meanwhile."""
             assert job.region is not None
             checkpoint = await locked(session, job.checkpoint_id)
-            await queue.complete(session, job)
             # Deleted while the manifest was being written (its delete job may
             # have gone through this region before it landed): no commit
             # marker may outlive the checkpoint (a catalog rebuild reads
             # them), and its replica stays as the deletion left it.
             if checkpoint.state == CheckpointState.DELETED:
                 return True
+            await queue.complete(session, job)
             await self._committed(session, checkpoint, job.region, manifest)
             return False
 
-        deleted = await transaction_giving_way(self.r.sessionmaker, committed)
-        if deleted:
-            await _withdraw(store, [key])
+        if await transaction_giving_way(self.r.sessionmaker, committed):
+            await self._withdraw_then_complete(store, [key], job)
+
+    async def _withdraw_then_complete(self, store: ObjectStore, keys: list[str], job: Job) -> None:
+        """Take back what a job wrote for a checkpoint deleted meanwhile, then
+        mark the job done: in this order, so that a job killed in between runs
+        again, finds the checkpoint deleted and takes the objects back then."""
+        await _withdraw(store, keys)
+        async with transaction(self.r.sessionmaker) as session:
+            await queue.complete(session, job)
 
     async def _committed(
         self, session: AsyncSession, checkpoint: Checkpoint, region: str, manifest: bytes

@@ -19,6 +19,7 @@ from sqlalchemy import select
 
 from devsupport.agent import Agent, running_agent, write_checkpoint
 from tierckpt.service.models import Checkpoint, Job, Replica
+from tierckpt.service.storage.base import StoreError
 
 
 async def _jobs_done(agent: Agent, kind: str, timeout: float = 60) -> None:
@@ -31,6 +32,12 @@ async def _jobs_done(agent: Agent, kind: str, timeout: float = 60) -> None:
             return
         assert time.monotonic() < deadline, f"{kind} jobs: {states}"
         await asyncio.sleep(0.05)
+
+
+def _left_in_region(tmp_path: Path) -> list[str]:
+    """The objects in running_agent's default region (a directory)."""
+    region = tmp_path / "region-local"
+    return sorted(str(p.relative_to(region)) for p in region.rglob("*") if p.is_file())
 
 
 @pytest.mark.parametrize("moment", ["upload", "commit"])
@@ -62,11 +69,45 @@ async def test_deleted_mid_flight_leaves_nothing_in_the_region(
             await _jobs_done(agent, "commit")
         assert raced
 
-        region = tmp_path / "region-local"
-        left = sorted(str(p.relative_to(region)) for p in region.rglob("*") if p.is_file())
-        assert left == [], left
+        assert _left_in_region(tmp_path) == []
         async with agent.resources.sessionmaker() as session:
             assert await session.scalar(select(Checkpoint.state)) == "deleted"
             replicas = list(await session.scalars(select(Replica.state)))
         assert "committed" not in replicas, replicas
         assert (await agent.http.get("/v1/runs/r/latest")).status_code == 404
+
+
+@pytest.mark.parametrize("moment", ["upload", "commit"])
+async def test_a_job_run_again_after_a_deletion_takes_back_what_it_wrote(
+    catalog_url: str, tmp_path: Path, moment: str
+) -> None:
+    """An upload or a commit whose object landed after the deletion's sweep,
+    and which then ended before taking it back (here its connection drops
+    right after the write; a kill -9 leaves the same): its next run finds the
+    checkpoint deleted and takes the object back before the job is done."""
+    async with running_agent(catalog_url, tmp_path, worker={"poll_interval": 0.05}) as agent:
+        store: Any = agent.resources.stores["local"]
+        put_bytes = store.put_bytes
+        dropped = False
+
+        async def deleted_then_land_then_drop(key: str, data: Any) -> None:
+            nonlocal dropped
+            if dropped or (moment == "commit") != key.endswith("MANIFEST.json"):
+                await put_bytes(key, data)
+                return
+            dropped = True
+            deleted = await agent.http.delete("/v1/runs/r/checkpoints/1")
+            assert deleted.status_code == 202, deleted.text
+            await _jobs_done(agent, "delete")
+            await put_bytes(key, data)
+            raise StoreError("the connection dropped after the write landed")
+
+        store.put_bytes = deleted_then_land_then_drop
+        ckpt = write_checkpoint(agent.ssd / "s1", {"b/c.json": b"{}"})
+        assert (await agent.register("r", 1, ckpt)).status_code == 202
+        await _jobs_done(agent, moment)
+        assert dropped
+
+        assert _left_in_region(tmp_path) == []
+        async with agent.resources.sessionmaker() as session:
+            assert await session.scalar(select(Checkpoint.state)) == "deleted"
