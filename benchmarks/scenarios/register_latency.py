@@ -23,6 +23,13 @@ disk (every registration commits one) and how late a 1 ms sleep wakes up
 same requests (its request log: from the first byte of the request to the
 last of the answer).
 
+Each round also times the trainer's default path under the same load: a
+segment of the agent's memory tier reserved, written and registered
+(``TorchCheckpointer(staging="memory")``). That register is recorded in the
+segment and reaches the catalog after the agent has written T0, so it waits
+on neither the catalog's lock nor its fsync; the register above (files
+already on T0, ``staging="disk"``, orchestrators) waits on both.
+
 **Idle, by size**: 1 MB against a sparse 10 GiB file, on an agent whose
 worker is off. Register only lists the files (size, mtime) and writes
 catalog rows; it never reads content, so its latency must not depend on the
@@ -285,10 +292,9 @@ class _Floor:
             os.close(fd)
 
 
-def _server_times(log_path: Path, request_id: str) -> dict[str, list[float]]:
-    """The agent's own duration of each register and `latest` sent with
-    ``request_id``, from its request log (JSON lines), in order."""
-    out: dict[str, list[float]] = {"register": [], "latest": []}
+def _logged(log_path: Path, request_id: str) -> Iterator[dict[str, Any]]:
+    """The agent's request-log entries (JSON lines) of the requests sent with
+    ``request_id``, in order."""
     for line in log_path.read_text(errors="replace").splitlines():
         if request_id not in line or "duration_ms" not in line:
             continue
@@ -296,8 +302,15 @@ def _server_times(log_path: Path, request_id: str) -> dict[str, list[float]]:
             entry = json.loads(line)
         except ValueError:
             continue
-        if entry.get("request_id") != request_id:
-            continue
+        if entry.get("request_id") == request_id:
+            yield entry
+
+
+def _server_times(log_path: Path, request_id: str) -> dict[str, list[float]]:
+    """The agent's own duration of each register and `latest` sent with
+    ``request_id``, from its request log, in order."""
+    out: dict[str, list[float]] = {"register": [], "latest": []}
+    for entry in _logged(log_path, request_id):
         path = str(entry.get("path", ""))
         if entry.get("method") == "POST" and path == "/v1/checkpoints":
             out["register"].append(float(entry["duration_ms"]))
@@ -339,6 +352,84 @@ def _timed(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, lis
         samples[f"server_{kind}"] = server[kind][WARMUP:]
     for phase in PHASES:
         samples[f"phase_{phase}"] = server.get(f"phase_{phase}", [])[WARMUP:]
+    return samples
+
+
+FIGURES: dict[str, Callable[[list[float]], float]] = {
+    "p50": lambda values: percentile(values, 50),
+    "p99": lambda values: percentile(values, 99),
+    "max": max,
+}
+
+
+def _timed_rows(
+    label: str,
+    rounds: list[dict[str, list[float]]],
+    client: str,
+    server: str | None,
+    *,
+    target: bool,
+) -> list[dict[str, Any]]:
+    """p50, p99 and max of the ``client`` times over the rounds, with the
+    median round's figure of the agent's own (``server``) in the note and the
+    target beside the p99 when ``target``."""
+    out = []
+    for metric, figure in FIGURES.items():
+        values = [figure(s[client]) for s in rounds]
+        server_values = [figure(s[server]) for s in rounds if server and s.get(server)]
+        notes = [f"target ≤ {TARGET_P99_MS:.0f} ms"] if target and metric == "p99" else []
+        if server_values:
+            notes.append(f"agent's own: {percentile(server_values, 50):.1f} ms")
+        out.append(row(label, metric, "ms", values, note="; ".join(notes)))
+    return out
+
+
+def _segment_server_times(log_path: Path, request_id: str) -> dict[str, list[float]]:
+    """The agent's own duration of each segment reserve and register sent
+    with ``request_id``, from its request log, in order."""
+    out: dict[str, list[float]] = {"server_reserve": [], "server_stage": []}
+    for entry in _logged(log_path, request_id):
+        path = str(entry.get("path", ""))
+        if entry.get("method") != "POST":
+            continue
+        if path == "/v1/memory/segments":
+            out["server_reserve"].append(float(entry["duration_ms"]))
+        elif path.startswith("/v1/memory/segments/") and path.endswith("/register"):
+            out["server_stage"].append(float(entry["duration_ms"]))
+    return out
+
+
+def _timed_staged(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, list[float]]:
+    """The trainer's default path (``TorchCheckpointer(staging="memory")``):
+    reserve a segment in the agent's memory tier, write the tiny file into
+    it, register the segment, then ask for ``latest``, sequentially. The
+    registration of a segment is recorded in the segment; the catalog gets
+    it once the agent has written it to T0 (service/memory/persist.py), so
+    these checkpoints add their persisting to the load."""
+    payload = os.urandom(TINY_BYTES)
+    samples: dict[str, list[float]] = {"reserve": [], "stage": [], "stall": []}
+    request_id = f"bench-staged-{run_name}"
+    with CheckpointClient(agent.url) as client:
+        client._http.headers["x-request-id"] = request_id
+        for step in range(1, WARMUP + count + 1):
+            began = time.perf_counter()
+            segment = client.reserve_segment(run_name, step, {"model.bin": TINY_BYTES})
+            reserved = time.perf_counter()
+            with open(Path(segment.path) / "model.bin", "wb") as out:
+                out.write(payload)
+            written = time.perf_counter()
+            answer = client.register_segment(segment.id, run_name, step, base / f"step-{step}")
+            staged = time.perf_counter()
+            client.latest(run_name)
+            if answer.state != "staged":
+                raise RuntimeError(f"segment of {run_name}:{step} answered {answer.state}")
+            if step > WARMUP:
+                samples["reserve"].append((reserved - began) * 1000)
+                samples["stage"].append((staged - written) * 1000)
+                samples["stall"].append((staged - began) * 1000)
+    server = _segment_server_times(agent.log_path, request_id)
+    for kind, values in server.items():
+        samples[kind] = values[WARMUP:]
     return samples
 
 
@@ -400,6 +491,19 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                 samples = _timed(
                                     agent, ctx.ssd / name / f"rep{rep}", f"bench-tiny-{rep}", count
                                 )
+                                # The memory tier needs the worker (it persists
+                                # the segments): not in the idle mode.
+                                staged = (
+                                    _timed_staged(
+                                        agent,
+                                        ctx.ssd / name / f"staged{rep}",
+                                        f"bench-staged-{rep}",
+                                        count,
+                                    )
+                                    if mode != "idle"
+                                    else {}
+                                )
+                            samples.update({f"segment_{k}": v for k, v in staged.items()})
                             samples["fsync"], samples["wake"] = floor.fsync, floor.wake
                             per_mode[mode].append(samples)
                             log(
@@ -409,6 +513,12 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                 f"{max(samples['register']):.1f} ms; latest p99 "
                                 f"{percentile(samples['latest'], 99):.1f} ms; fsync p99 "
                                 f"{percentile(samples['fsync'] or [0.0], 99):.1f} ms"
+                                + (
+                                    "; memory segment register p99 "
+                                    f"{percentile(samples['segment_stage'], 99):.1f} ms"
+                                    if samples.get("segment_stage")
+                                    else ""
+                                )
                             )
                     finally:
                         if load is not None:
@@ -425,11 +535,6 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     pg.drop_database(url, pg.postgres_admin_url())
 
     rows: list[dict[str, Any]] = []
-    figures: dict[str, Callable[[list[float]], float]] = {
-        "p50": lambda values: percentile(values, 50),
-        "p99": lambda values: percentile(values, 99),
-        "max": max,
-    }
     labels = {
         "idle": "idle (worker off)",
         "load": "under upload load (worker on, own process)",
@@ -438,36 +543,38 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
     for catalog_name, per_mode in results.items():
         for call in ("register", "latest"):
             for mode in ("load", "load-inproc", "idle"):
-                for metric, figure in figures.items():
-                    client_values = [figure(s[call]) for s in per_mode[mode]]
-                    server_values = [
-                        figure(s[f"server_{call}"]) for s in per_mode[mode] if s[f"server_{call}"]
-                    ]
-                    server_note = (
-                        f"agent's own: {percentile(server_values, 50):.1f} ms"
-                        if server_values
-                        else ""
-                    )
-                    target = (
-                        f"target ≤ {TARGET_P99_MS:.0f} ms; "
-                        if mode == "load" and metric == "p99"
-                        else ""
-                    )
-                    rows.append(
-                        row(
-                            f"{catalog_name} {call}, {labels[mode]}",
-                            metric,
-                            "ms",
-                            client_values,
-                            note=f"{target}{server_note}",
-                        )
-                    )
+                rows += _timed_rows(
+                    f"{catalog_name} {call}, {labels[mode]}",
+                    per_mode[mode],
+                    call,
+                    f"server_{call}",
+                    target=mode == "load",
+                )
+    # The trainer's default path: a memory segment's register, and its
+    # whole stall (reserve + write + register).
+    for catalog_name, per_mode in results.items():
+        for mode in ("load", "load-inproc"):
+            rows += _timed_rows(
+                f'{catalog_name} register of a memory segment (staging="memory", the default), '
+                f"{labels[mode]}",
+                per_mode[mode],
+                "segment_stage",
+                "segment_server_stage",
+                target=mode == "load",
+            )
+            rows += _timed_rows(
+                f"{catalog_name} memory staging stall (reserve + write + register), {labels[mode]}",
+                per_mode[mode],
+                "segment_stall",
+                None,
+                target=False,
+            )
     for catalog_name, per_mode in results.items():
         for mode in ("load", "load-inproc"):
             for phase in PHASES:
                 for metric in ("p50", "p99"):
                     values = [
-                        figures[metric](s[f"phase_{phase}"])
+                        FIGURES[metric](s[f"phase_{phase}"])
                         for s in per_mode[mode]
                         if s.get(f"phase_{phase}")
                     ]
@@ -483,7 +590,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
     for catalog_name, per_mode in results.items():
         for probe, what in (("fsync", "fdatasync of 4 KiB"), ("wake", "a 1 ms sleep's oversleep")):
             for metric in ("p50", "p99"):
-                values = [figures[metric](s[probe]) for s in per_mode["load"] if s.get(probe)]
+                values = [FIGURES[metric](s[probe]) for s in per_mode["load"] if s.get(probe)]
                 if values:
                     rows.append(
                         row(
@@ -512,6 +619,14 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "50 ms: fdatasync of a 4 KiB write on the catalog's disk (each registration commits "
         "with one; the other helpers of this machine share the disk and the 2 cores) and how "
         "late a 1 ms sleep wakes up. A register p99 below the fsync p99 is out of reach.",
+        "memory segment: in each round, after the register stream, the same count of "
+        "sequential reserve, write, register of a segment and `latest` of a "
+        f"{TINY_BYTES}-byte checkpoint in the agent's memory tier (what "
+        'TorchCheckpointer(staging="memory"), the default, sends). Its register is '
+        "recorded in the segment, not the catalog: the agent writes it to T0 and registers "
+        "it there afterwards, so those are uploaded too and add to the load. The register "
+        "stream above is the path of files already on T0 (CheckpointClient.register, "
+        'staging="disk", orchestrators): it commits to the catalog and fsyncs.',
         "`agent's own`: the median over rounds of the agent's request-log duration for the "
         "same requests (the rest of the client figure is HTTP and the client's own scan).",
         "agent's phases (its request log, each phase's own percentile): scan (the files' "
@@ -578,12 +693,7 @@ def _by_size(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dict[s
         ctx.stop_agent(agent)
 
     rows: list[dict[str, Any]] = []
-    figures: dict[str, Callable[[list[float]], float]] = {
-        "p50": lambda values: percentile(values, 50),
-        "p99": lambda values: percentile(values, 99),
-        "max": max,
-    }
-    for metric, figure in figures.items():
+    for metric, figure in FIGURES.items():
         by_size = {
             kind: [figure(samples[kind]) for samples in rounds] for kind in ("small", "large")
         }
