@@ -24,6 +24,7 @@ from ..checkpoints.state import commit_replica, lock_checkpoint
 from ..concurrency import gather_or_cancel
 from ..db import transaction_giving_way
 from ..jobs import queue
+from ..jobs.withdraw import withdraw_then_complete
 from ..jobs.worker import JobHandler, region_store
 from ..models import CheckpointState, Job, JobKind, Replica, ReplicaState
 from ..observability import context, metrics
@@ -43,6 +44,14 @@ class _Plan:
     objects: list[ObjectEntry]
     manifest: bytes
     manifest_key: str
+    step_prefix: str
+
+
+@dataclass
+class _TakeBack:
+    """The checkpoint was deleted: what an earlier run may have left."""
+
+    keys: list[str]
     step_prefix: str
 
 
@@ -114,15 +123,20 @@ class ReplicationJobs:
     def handlers(self) -> dict[str, JobHandler]:
         return {JobKind.REPLICATE: JobHandler(run=self.replicate, on_failure=self.failed)}
 
-    async def _plan(self, job: Job) -> _Plan | None:
-        async def plan(session: AsyncSession) -> _Plan | None:
+    async def _plan(self, job: Job) -> _Plan | _TakeBack | None:
+        async def plan(session: AsyncSession) -> _Plan | _TakeBack | None:
             checkpoint = await lock_checkpoint(session, job.checkpoint_id)
-            if checkpoint is None or checkpoint.state in (
-                CheckpointState.FAILED,
-                CheckpointState.DELETED,
-            ):
+            if checkpoint is None or checkpoint.state == CheckpointState.FAILED:
                 await queue.complete(session, job)
                 return None
+            if checkpoint.state == CheckpointState.DELETED:
+                # An earlier run may have landed objects after the deletion's
+                # sweep and been killed before taking them back.
+                contents = await load_contents(session, checkpoint)
+                return _TakeBack(
+                    [contents.manifest_key(checkpoint), *(o.key for o in contents.objects)],
+                    contents.step_prefix(checkpoint),
+                )
             target = await session.scalar(
                 select(Replica).where(
                     Replica.checkpoint_id == checkpoint.id, Replica.region == job.region
@@ -157,8 +171,8 @@ class ReplicationJobs:
             )
 
         found = await transaction_giving_way(self.r.sessionmaker, plan)
-        if found is None:
-            return None
+        if found is None or isinstance(found, _TakeBack):
+            return found
         if not found.sources:
             # Nothing intact to copy from yet (primary still uploading, or every
             # copy corrupt): wait with backoff rather than fail.
@@ -172,6 +186,10 @@ class ReplicationJobs:
         target = region_store(self.r.stores, job)
         plan = await self._plan(job)
         if plan is None:
+            return
+        if isinstance(plan, _TakeBack):
+            await abort_left_uploads(target, plan.step_prefix)
+            await withdraw_then_complete(self.r.sessionmaker, target, plan.keys, job)
             return
         objects, manifest = plan.objects, plan.manifest
         if job.attempts > 1:
@@ -189,20 +207,29 @@ class ReplicationJobs:
                 errors.append(f"{name}: {exc}")
                 continue
             await target.put_bytes(plan.manifest_key, manifest)
-            await transaction_giving_way(
+            deleted = await transaction_giving_way(
                 self.r.sessionmaker, partial(self._committed, job, manifest, verified)
             )
+            if deleted:
+                # Deleted while this copy ran: the deletion may have swept the
+                # region before these objects landed.
+                keys = [plan.manifest_key, *(o.key for o in objects)]
+                await withdraw_then_complete(self.r.sessionmaker, target, keys, job)
+                return
             metrics.observe_replication(job.region, sum(o.size for o in objects))
             return
         raise StoreError("every source region failed: " + "; ".join(errors))
 
     async def _committed(
         self, job: Job, manifest: bytes, verified: bool, session: AsyncSession
-    ) -> None:
-        """The region's manifest is written: its replica is committed."""
+    ) -> bool:
+        """The region's manifest is written: its replica is committed. True:
+        the checkpoint was deleted meanwhile, and nothing is (the job stays)."""
         assert job.region is not None
         checkpoint = await lock_checkpoint(session, job.checkpoint_id)
         assert checkpoint is not None
+        if checkpoint.state == CheckpointState.DELETED:
+            return True
         await queue.complete(session, job)
         await commit_replica(
             session,
@@ -213,6 +240,7 @@ class ReplicationJobs:
             min_regions=self.r.settings.durability.min_regions,
             region_count=len(self.r.settings.regions),
         )
+        return False
 
     async def _copy_all(
         self, source: ObjectStore, target: ObjectStore, objects: list[ObjectEntry]

@@ -15,9 +15,10 @@ from ..checkpoints import replicas
 from ..checkpoints.contents import load_contents
 from ..checkpoints.state import FINAL, commit_replica, lock_checkpoint
 from ..concurrency import gather_or_cancel
-from ..db import reading, transaction, transaction_giving_way
+from ..db import reading, transaction_giving_way
 from ..jobs import kinds, queue
 from ..jobs.kinds import UploadMode, UploadPayload
+from ..jobs.withdraw import withdraw_then_complete
 from ..jobs.worker import FollowUps, JobHandler, PermanentJobError, follow_ups, region_store
 from ..models import (
     Checkpoint,
@@ -123,7 +124,9 @@ class UploadJobs:
             if checkpoint.state == CheckpointState.DELETED:
                 # An earlier run of this job may have landed objects after the
                 # deletion's sweep and been killed before taking them back.
-                return [layout.object_key(run.name, checkpoint.step, shard.rank, f.path) for f in files]
+                return [
+                    layout.object_key(run.name, checkpoint.step, shard.rank, f.path) for f in files
+                ]
             if not repair:
                 # A fan-out upload may start after the primary has finished.
                 if shard.state == ShardState.REGISTERED:
@@ -139,7 +142,7 @@ class UploadJobs:
         if started is None:
             return
         if isinstance(started, list):
-            await self._withdraw_then_complete(store, started, job)
+            await withdraw_then_complete(self.r.sessionmaker, store, started, job)
             return
         run_name, step, rank, base = started.run, started.step, started.rank, started.base
         files, fan_outs = started.files, started.fan_outs
@@ -212,7 +215,7 @@ class UploadJobs:
         if deleted:
             # Deleted while this upload ran: its delete job may have gone
             # through the region before these objects landed. Take them back.
-            await self._withdraw_then_complete(store, [s.key for s in sources], job)
+            await withdraw_then_complete(self.r.sessionmaker, store, [s.key for s in sources], job)
             return
         if commit is not None:
             assert next_jobs is not None
@@ -427,7 +430,7 @@ class UploadJobs:
             # Deleted: an earlier run of this job may have written the manifest
             # and been killed before taking it back (below).
             deleted = checkpoint.state == CheckpointState.DELETED
-            await self._withdraw_then_complete(store, [key] if deleted else [], job)
+            await withdraw_then_complete(self.r.sessionmaker, store, [key] if deleted else [], job)
             return
 
         try:
@@ -450,15 +453,7 @@ class UploadJobs:
             return False
 
         if await transaction_giving_way(self.r.sessionmaker, committed):
-            await self._withdraw_then_complete(store, [key], job)
-
-    async def _withdraw_then_complete(self, store: ObjectStore, keys: list[str], job: Job) -> None:
-        """Take back what a job wrote for a checkpoint deleted meanwhile, then
-        mark the job done: in this order, so that a job killed in between runs
-        again, finds the checkpoint deleted and takes the objects back then."""
-        await _withdraw(store, keys)
-        async with transaction(self.r.sessionmaker) as session:
-            await queue.complete(session, job)
+            await withdraw_then_complete(self.r.sessionmaker, store, [key], job)
 
     async def _committed(
         self, session: AsyncSession, checkpoint: Checkpoint, region: str, manifest: bytes
@@ -488,17 +483,6 @@ def _uploaded(outcome: Outcome) -> UploadedFile:
     # The primary's failures raise in upload_file_to: only files get here.
     assert isinstance(outcome, UploadedFile)
     return outcome
-
-
-async def _withdraw(store: ObjectStore, keys: list[str]) -> None:
-    """Best effort: delete what was written for a checkpoint deleted meanwhile.
-    What stays (the store is down) is never valid to anyone: the catalog says
-    deleted, and a catalog rebuild re-verifies every object it finds."""
-    for key in keys:
-        try:
-            await store.delete(key)
-        except StoreError as exc:
-            log.warning("could not withdraw %s from %s: %s", key, store.region, exc)
 
 
 async def _record_hashes(

@@ -1,7 +1,7 @@
-"""A checkpoint deleted while its upload or its commit is still running.
+"""A checkpoint deleted while its upload, commit or replication is still running.
 
 Deletion marks the checkpoint deleted, then removes its objects region by
-region. An upload or a commit already under way can land objects after that
+region. An upload, a commit or a replication already under way can land objects after that
 sweep went by: they must be taken back, never left as a commit marker (which
 a catalog rebuild reads) or as objects nobody owns, and the catalog must stay
 "deleted" with no replica claiming to be committed.
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from devsupport.agent import Agent, running_agent, write_checkpoint
+from devsupport.agent import Agent, posix_region, running_agent, write_checkpoint
 from tierckpt.service.models import Checkpoint, Job, Replica
 from tierckpt.service.storage.base import StoreError
 
@@ -34,9 +34,9 @@ async def _jobs_done(agent: Agent, kind: str, timeout: float = 60) -> None:
         await asyncio.sleep(0.05)
 
 
-def _left_in_region(tmp_path: Path) -> list[str]:
-    """The objects in running_agent's default region (a directory)."""
-    region = tmp_path / "region-local"
+def _left_in_region(tmp_path: Path, name: str = "local") -> list[str]:
+    """The objects in a region of running_agent (a directory under tmp_path)."""
+    region = tmp_path / f"region-{name}"
     return sorted(str(p.relative_to(region)) for p in region.rglob("*") if p.is_file())
 
 
@@ -111,3 +111,50 @@ async def test_a_job_run_again_after_a_deletion_takes_back_what_it_wrote(
         assert _left_in_region(tmp_path) == []
         async with agent.resources.sessionmaker() as session:
             assert await session.scalar(select(Checkpoint.state)) == "deleted"
+
+
+@pytest.mark.parametrize("then", ["goes on", "drops"])
+async def test_deleted_while_replicating_leaves_nothing_in_the_target_region(
+    catalog_url: str, tmp_path: Path, then: str
+) -> None:
+    """The replication job's manifest lands after the deletion swept the
+    target region: it is taken back, and the replica is not committed. Also
+    when the job's connection drops right after that write (as a kill -9
+    would leave it): its next run takes the objects back."""
+    regions = [posix_region(name, tmp_path / f"region-{name}") for name in ("local", "west")]
+    async with running_agent(
+        catalog_url,
+        tmp_path,
+        regions,
+        upload={"fan_out": False},
+        worker={"poll_interval": 0.05},
+    ) as agent:
+        store: Any = agent.resources.stores["west"]
+        put_bytes = store.put_bytes
+        raced = False
+
+        async def put_then_race(key: str, data: Any) -> None:
+            nonlocal raced
+            if not raced and key.endswith("MANIFEST.json"):
+                raced = True
+                # Durable in the primary, so the latest valid: force.
+                deleted = await agent.http.delete("/v1/runs/r/checkpoints/1?force=true")
+                assert deleted.status_code == 202, deleted.text
+                await _jobs_done(agent, "delete")
+                await put_bytes(key, data)
+                if then == "drops":
+                    raise StoreError("the connection dropped after the write landed")
+                return
+            await put_bytes(key, data)
+
+        store.put_bytes = put_then_race
+        ckpt = write_checkpoint(agent.ssd / "s1", {"a.bin": 1000, "b/c.json": b"{}"})
+        assert (await agent.register("r", 1, ckpt)).status_code == 202
+        await _jobs_done(agent, "replicate")
+        assert raced
+
+        assert _left_in_region(tmp_path, "west") == []
+        async with agent.resources.sessionmaker() as session:
+            assert await session.scalar(select(Checkpoint.state)) == "deleted"
+            replicas = list(await session.scalars(select(Replica.state)))
+        assert "committed" not in replicas, replicas
