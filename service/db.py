@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 import weakref
@@ -70,7 +71,7 @@ def create_engine(url: str, *, bounded: bool = False, **kwargs: Any) -> AsyncEng
 
 
 def create_sync_engine(
-    engine: AsyncEngine, pool_size: int = 1, *, eager_lock: bool = False
+    engine: AsyncEngine, pool_size: int = 1, *, eager_lock: bool = False, never_wait: bool = False
 ) -> Engine | None:
     """A synchronous (pysqlite) engine on the same SQLite file as ``engine``,
     with the same settings, for work that runs whole in one worker thread
@@ -80,7 +81,9 @@ def create_sync_engine(
     it (``_begin_eagerly``), not on SQLite's busy-handler schedule; it runs
     at ``synchronous=NORMAL`` with no autocheckpoint, as the async engine's
     connections (wal_sync.py): after its commit, the caller waits for
-    ``wal_sync_for(database).sync()``."""
+    ``wal_sync_for(database).sync()``. ``never_wait``: a statement that
+    would wait for a lock fails at once (busy_timeout 0), for reads run on
+    the event loop (``read_snapshot``)."""
     url = engine.url
     if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
         return None
@@ -90,7 +93,7 @@ def create_sync_engine(
         pool_size=pool_size,
         max_overflow=1,
     )
-    _sqlite_transactions(sync, eager_lock=eager_lock, synchronous="NORMAL")
+    _sqlite_transactions(sync, eager_lock=eager_lock, never_wait=never_wait, synchronous="NORMAL")
     return sync
 
 
@@ -111,7 +114,7 @@ def _begin_eagerly(dbapi_connection: Any) -> None:
         dbapi_connection.execute("BEGIN IMMEDIATE")
         return
     except sqlite3.OperationalError as exc:
-        if "locked" not in str(exc) and "busy" not in str(exc):
+        if not _busy(exc):
             raise
     # Taken: the worker process yields to us from its next transaction on
     # (write_gate.UrgentFlag), so we wait for the one holding it only.
@@ -130,7 +133,7 @@ def _begin_eagerly(dbapi_connection: Any) -> None:
                 dbapi_connection.execute("BEGIN IMMEDIATE")
                 return
             except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
+                if not _busy(exc):
                     raise
                 if time.monotonic() > deadline:
                     raise
@@ -147,16 +150,50 @@ def in_sync_session(maker: sessionmaker[Session], read: Callable[..., T], *args:
         return read(session, *args)
 
 
-def create_sync_readers(engine: AsyncEngine) -> sessionmaker[Session] | None:
-    """Read-only plain sessions on SQLite (snapshot reads, no write lock),
-    to run a whole read in one thread hop; None on PostgreSQL."""
-    sync = create_sync_engine(engine, pool_size=4)
+async def read_snapshot(
+    inline: sessionmaker[Session] | None,
+    threaded: sessionmaker[Session],
+    read: Callable[..., T],
+    *args: Any,
+) -> T:
+    """One whole read on SQLite's plain reader sessions, in one snapshot.
+
+    ``inline`` given (``create_sync_readers(inline=True)``): on the event loop
+    itself. A read of a few indexed rows takes a fraction of a millisecond,
+    less than the two thread hand-offs it otherwise costs, each a wait for a
+    CPU and for the GIL while the agent is busy. A WAL reader waits for
+    nobody, except in rare moments (a read slot being reset, a connection
+    holding the database exclusively): then SQLite answers busy at once, and
+    the same read runs in a thread of ``threaded``, which may wait there."""
+    if inline is not None:
+        try:
+            return in_sync_session(inline, read, *args)
+        except OperationalError as exc:
+            if not isinstance(exc.orig, sqlite3.OperationalError) or not _busy(exc.orig):
+                raise
+    return await asyncio.to_thread(in_sync_session, threaded, read, *args)
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def create_sync_readers(
+    engine: AsyncEngine, *, inline: bool = False
+) -> sessionmaker[Session] | None:
+    """Read-only plain sessions on SQLite (snapshot reads, no write lock);
+    None on PostgreSQL. Default: for a whole read in one hop to a thread.
+    ``inline``: for reads on the event loop (``read_snapshot``), one at a
+    time, never waiting for a lock."""
+    sync = create_sync_engine(engine, pool_size=1 if inline else 4, never_wait=inline)
     if sync is None:
         return None
     return sessionmaker(sync.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
 
-def _sqlite_transactions(engine: Engine, *, synchronous: str, eager_lock: bool = False) -> None:
+def _sqlite_transactions(
+    engine: Engine, *, synchronous: str, eager_lock: bool = False, never_wait: bool = False
+) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take transaction control from the driver so BEGIN IMMEDIATE below is
@@ -175,7 +212,8 @@ def _sqlite_transactions(engine: Engine, *, synchronous: str, eager_lock: bool =
         cursor.execute("PRAGMA foreign_keys=ON")
         # An eager-lock engine waits for the write lock itself (_begin_eagerly);
         # its statements inside a transaction never wait: it holds the lock.
-        cursor.execute(f"PRAGMA busy_timeout={0 if eager_lock else int(LOCK_WAIT * 1000)}")
+        waits = not (eager_lock or never_wait)
+        cursor.execute(f"PRAGMA busy_timeout={int(LOCK_WAIT * 1000) if waits else 0}")
         cursor.close()
 
     @event.listens_for(engine, "begin")

@@ -52,6 +52,8 @@ class Resources:
     # SQLite only: plain (sync) read-only sessions, for hot reads that run
     # whole in one worker thread (db.create_sync_readers).
     sync_readers: orm.sessionmaker[orm.Session] | None = field(default=None)
+    # SQLite only: the same, for reads run on the event loop (db.read_snapshot).
+    inline_readers: orm.sessionmaker[orm.Session] | None = field(default=None)
     # Work was just enqueued in this process: the worker looks now instead of
     # at its next poll. Set by the agent's assembly when it runs a worker.
     wake: Callable[[], None] = field(default=_no_worker)
@@ -79,6 +81,7 @@ async def open_resources(settings: Settings, *, check_regions: bool = True) -> R
         sessionmaker=create_sessionmaker(engine),
         read_sessionmaker=create_read_sessionmaker(engine),
         sync_readers=create_sync_readers(engine),
+        inline_readers=create_sync_readers(engine, inline=True),
         stores=stores,
     )
 
@@ -87,6 +90,7 @@ async def close_resources(resources: Resources) -> None:
     """After the agent's components have stopped: stores, then the catalog."""
     await resources.stores.aclose()
     dispose_sync_readers(resources.sync_readers)
+    dispose_sync_readers(resources.inline_readers)
     if resources.read_sessionmaker is not None:
         await dispose_read_engine(resources.read_sessionmaker, resources.engine)
     await resources.engine.dispose()

@@ -474,7 +474,7 @@ def _query_times(
     catalog_url: str, run: str, count: int, *, quick: bool = False
 ) -> dict[str, list[float]]:
     """In-process: the catalog read `latest` runs (latest_answer.read_latest_rows:
-    one statement on PostgreSQL, two in one thread hop on SQLite), through the
+    one statement on PostgreSQL, two on the event loop on SQLite), through the
     service's own read engines (the plain-sqlite readers on SQLite, the
     autocommit pool on PostgreSQL), seconds each: the database's share of an
     answer. With ``quick``, without ``region=west``."""
@@ -492,6 +492,7 @@ def _query_times(
     async def measure() -> dict[str, list[float]]:
         engine = create_engine(catalog_url)
         readers = create_sync_readers(engine)
+        inline = create_sync_readers(engine, inline=True)
         sessions = create_read_sessionmaker(engine)
         out: dict[str, list[float]] = {"any": []} if quick else {"any": [], "west": []}
         try:
@@ -499,13 +500,14 @@ def _query_times(
                 where = None if region == "any" else region
                 for n in range(warmup + count):
                     began = time.perf_counter()
-                    found = await read_latest_rows(readers, sessions, run, 1, where)
+                    found = await read_latest_rows(readers, inline, sessions, run, 1, where)
                     if n >= warmup:
                         times.append(time.perf_counter() - began)
                     assert found is not None
         finally:
             # As the agent's close_resources does.
             dispose_sync_readers(readers)
+            dispose_sync_readers(inline)
             await dispose_read_engine(sessions, engine)
             await engine.dispose()
         return out

@@ -42,6 +42,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -49,6 +50,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from devsupport import postgres as pg
 from devsupport.seaweed import SeaweedServer
@@ -306,22 +309,48 @@ def _logged(log_path: Path, request_id: str) -> Iterator[dict[str, Any]]:
             yield entry
 
 
-def _server_times(log_path: Path, request_id: str) -> dict[str, list[float]]:
-    """The agent's own duration of each register and `latest` sent with
-    ``request_id``, from its request log, in order."""
-    out: dict[str, list[float]] = {"register": [], "latest": []}
+def _phases(log_path: Path, request_id: str) -> dict[str, list[float]]:
+    """Where the agent's time went in each register sent with
+    ``request_id`` (service/checkpoints/register_timing.py), from its request
+    log, in order: ``phase_<name>`` lists."""
+    out: dict[str, list[float]] = {}
     for entry in _logged(log_path, request_id):
-        path = str(entry.get("path", ""))
-        if entry.get("method") == "POST" and path == "/v1/checkpoints":
-            out["register"].append(float(entry["duration_ms"]))
-            # Where the agent's time went (service/checkpoints/register_timing.py).
+        if entry.get("method") == "POST" and entry.get("path") == "/v1/checkpoints":
             for phase in PHASES:
                 out.setdefault(f"phase_{phase}", []).append(
                     float(entry.get(f"register_{phase}_ms", 0.0))
                 )
-        elif entry.get("method") == "GET" and path.endswith("/latest"):
-            out["latest"].append(float(entry["duration_ms"]))
     return out
+
+
+class _AgentTimes:
+    """The agent's own time of each answer a client gets (its ``Server-Timing``
+    header: from the request's arrival to the answer's headers), by kind of
+    request, in order. Every request, where the agent's log leaves quiet
+    GETs (``latest``) out."""
+
+    KINDS = (
+        ("POST", re.compile(r"^/v1/checkpoints$"), "server_register"),
+        ("GET", re.compile(r"^/v1/runs/[^/]+/latest$"), "server_latest"),
+        ("POST", re.compile(r"^/v1/memory/segments$"), "server_reserve"),
+        ("POST", re.compile(r"^/v1/memory/segments/[^/]+/register$"), "server_stage"),
+    )
+
+    def __init__(self, client: CheckpointClient) -> None:
+        self.times: dict[str, list[float]] = {}
+        client._http.event_hooks["response"].append(self._record)
+
+    def _record(self, response: httpx.Response) -> None:
+        timing = response.headers.get("server-timing", "")
+        if not timing.startswith("app;dur="):
+            return
+        request = response.request
+        for method, path, kind in self.KINDS:
+            if request.method == method and path.match(request.url.path):
+                self.times.setdefault(kind, []).append(float(timing.removeprefix("app;dur=")))
+
+    def after_warmup(self) -> dict[str, list[float]]:
+        return {kind: values[WARMUP:] for kind, values in self.times.items()}
 
 
 def _timed(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, list[float]]:
@@ -332,6 +361,7 @@ def _timed(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, lis
     with CheckpointClient(agent.url) as client:
         # Tags the timed requests in the agent's request log (the load's are not).
         client._http.headers["x-request-id"] = request_id
+        own = _AgentTimes(client)
         for step in range(1, WARMUP + count + 1):
             # A directory per step: T0 eviction removes older steps' files.
             tiny = base / f"step-{step}"
@@ -347,11 +377,9 @@ def _timed(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, lis
             if step > WARMUP:
                 samples["register"].append((registered - began) * 1000)
                 samples["latest"].append((ended - registered) * 1000)
-    server = _server_times(agent.log_path, request_id)
-    for kind in list(samples):
-        samples[f"server_{kind}"] = server[kind][WARMUP:]
-    for phase in PHASES:
-        samples[f"phase_{phase}"] = server.get(f"phase_{phase}", [])[WARMUP:]
+    samples.update(own.after_warmup())
+    for phase, values in _phases(agent.log_path, request_id).items():
+        samples[phase] = values[WARMUP:]
     return samples
 
 
@@ -384,21 +412,6 @@ def _timed_rows(
     return out
 
 
-def _segment_server_times(log_path: Path, request_id: str) -> dict[str, list[float]]:
-    """The agent's own duration of each segment reserve and register sent
-    with ``request_id``, from its request log, in order."""
-    out: dict[str, list[float]] = {"server_reserve": [], "server_stage": []}
-    for entry in _logged(log_path, request_id):
-        path = str(entry.get("path", ""))
-        if entry.get("method") != "POST":
-            continue
-        if path == "/v1/memory/segments":
-            out["server_reserve"].append(float(entry["duration_ms"]))
-        elif path.startswith("/v1/memory/segments/") and path.endswith("/register"):
-            out["server_stage"].append(float(entry["duration_ms"]))
-    return out
-
-
 def _timed_staged(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, list[float]]:
     """The trainer's default path (``TorchCheckpointer(staging="memory")``):
     reserve a segment in the agent's memory tier, write the tiny file into
@@ -408,9 +421,8 @@ def _timed_staged(agent: Agent, base: Path, run_name: str, count: int) -> dict[s
     these checkpoints add their persisting to the load."""
     payload = os.urandom(TINY_BYTES)
     samples: dict[str, list[float]] = {"reserve": [], "stage": [], "stall": []}
-    request_id = f"bench-staged-{run_name}"
     with CheckpointClient(agent.url) as client:
-        client._http.headers["x-request-id"] = request_id
+        own = _AgentTimes(client)
         for step in range(1, WARMUP + count + 1):
             began = time.perf_counter()
             segment = client.reserve_segment(run_name, step, {"model.bin": TINY_BYTES})
@@ -427,9 +439,9 @@ def _timed_staged(agent: Agent, base: Path, run_name: str, count: int) -> dict[s
                 samples["reserve"].append((reserved - began) * 1000)
                 samples["stage"].append((staged - written) * 1000)
                 samples["stall"].append((staged - began) * 1000)
-    server = _segment_server_times(agent.log_path, request_id)
-    for kind, values in server.items():
-        samples[kind] = values[WARMUP:]
+    times = own.after_warmup()
+    for kind in ("server_reserve", "server_stage"):
+        samples[kind] = times.get(kind, [])
     return samples
 
 

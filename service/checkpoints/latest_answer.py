@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..db import in_sync_session
+from ..db import read_snapshot
 from ..errors import BadInput, NotFound
 from ..prefetch import copies
 from ..resources import Resources
@@ -42,6 +42,7 @@ async def latest_json(
         )
     rows = await read_latest_rows(
         resources.sync_readers,
+        resources.inline_readers,
         resources.read_sessionmaker or resources.sessionmaker,
         run,
         resources.settings.durability.min_regions,
@@ -65,6 +66,7 @@ async def latest_json(
 
 async def read_latest_rows(
     readers: sessionmaker[Session] | None,
+    inline: sessionmaker[Session] | None,
     maker: async_sessionmaker[AsyncSession],
     run: str,
     min_regions: int,
@@ -74,12 +76,12 @@ async def read_latest_rows(
 
     SQLite (``readers``): through aiosqlite every statement costs several
     thread hand-offs (dozens per answer, most of its CPU), so the read runs
-    whole in one hop on the agent's plain-sqlite read engine, in one
-    snapshot. PostgreSQL: on ``maker``'s pool, once more after a disconnect."""
+    whole on the agent's plain-sqlite read engine, in one snapshot: on the
+    event loop when ``inline`` is given (db.read_snapshot), else in one hop
+    to a thread. PostgreSQL: on ``maker``'s pool, once more after a
+    disconnect."""
     if readers is not None:
-        return await asyncio.to_thread(
-            in_sync_session, readers, repo.latest_rows, run, min_regions, region
-        )
+        return await read_snapshot(inline, readers, repo.latest_rows, run, min_regions, region)
     return await _read_with_retry(maker, run, min_regions, region)
 
 

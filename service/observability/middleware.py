@@ -4,7 +4,10 @@ A pure ASGI middleware (no BaseHTTPMiddleware: streamed responses stay
 streamed, and the context variable is set in the task that runs the route).
 An incoming ``X-Request-ID`` made of safe characters is kept, so a request can
 be followed from a proxy or a client through the agent's log; otherwise a new
-one is made. Either way the response carries it.
+one is made. Either way the response carries it, and a ``Server-Timing``
+header (``app;dur=`` milliseconds from the request's arrival here to its
+answer's headers): the agent's own share of what a client waited, per
+request, without its log (which leaves quiet GETs at DEBUG).
 
 Access lines go to ``tierckpt.http``: writes, errors and slow requests at
 INFO, the rest (clients poll checkpoint state several times a second) at
@@ -28,6 +31,7 @@ from .context import REQUEST_FACTS, REQUEST_ID
 log = logging.getLogger("tierckpt.http")
 
 HEADER = b"x-request-id"
+TIMING = b"server-timing"
 _SAFE_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 SLOW_SECONDS = 1.0
 
@@ -74,8 +78,11 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != HEADER]
+                ours = (HEADER, TIMING)
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in ours]
                 headers.append((HEADER, request_id.encode()))
+                took = (time.monotonic() - started) * 1000
+                headers.append((TIMING, f"app;dur={took:.2f}".encode()))
                 message = {**message, "headers": headers}
             await send(message)
 

@@ -56,6 +56,9 @@ async def test_json_lines_carry_request_id_and_job_context(
         )
         assert answer.status_code == 202
         assert answer.headers["x-request-id"] == "req-logs-7"
+        # The agent's own time, to its answer's headers (the log's runs to the last byte).
+        timing = answer.headers["server-timing"]
+        assert re.fullmatch(r"app;dur=\d+\.\d\d", timing), timing
         await agent.wait_state("logs", 7, ("durable",))
         for _ in range(400):
             found = [r for r in records(json_log) if r.get("job_kind") == "replicate"]
@@ -65,12 +68,14 @@ async def test_json_lines_carry_request_id_and_job_context(
 
         generated = await agent.http.get("/v1/runs/logs/checkpoints/7")
         assert len(generated.headers["x-request-id"]) == 16  # made up when none was sent
+        assert generated.headers["server-timing"].startswith("app;dur=")  # quiet GETs too
 
     lines = records(json_log)
     assert lines and all({"ts", "level", "logger", "message"} <= set(r) for r in lines)
     access = [r for r in lines if r["logger"] == "tierckpt.http" and r.get("method") == "POST"]
     assert access and access[0]["request_id"] == "req-logs-7"
     assert access[0]["path"] == "/v1/checkpoints" and access[0]["status"] == 202
+    assert 0 < float(timing.removeprefix("app;dur=")) <= access[0]["duration_ms"] + 0.01
 
     retry = next(r for r in lines if r.get("job_kind") == "replicate")
     assert retry["level"] == "warning" and "retrying" in retry["message"]

@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
 from devsupport.agent import running_agent, write_checkpoint
+from tierckpt.service.db import (
+    create_engine,
+    create_sync_readers,
+    dispose_sync_readers,
+    read_snapshot,
+)
+from tierckpt.service.sqlite_driver import LOCK_WAIT
 
 
 async def test_get_answers_while_another_connection_holds_the_write_lock(tmp_path: Path) -> None:
@@ -38,3 +51,44 @@ async def test_get_answers_while_another_connection_holds_the_write_lock(tmp_pat
         # Writes still take the lock and still succeed once it is free.
         ckpt2 = write_checkpoint(agent.ssd / "s2", {"w.bin": b"v"})
         assert (await agent.register("r", 2, ckpt2)).status_code == 202
+
+
+async def test_latest_reads_on_the_event_loop_and_in_a_thread_when_sqlite_is_busy(
+    tmp_path: Path,
+) -> None:
+    """db.read_snapshot, as `latest` uses it: on the loop's own thread with a
+    connection that never waits for a lock; when SQLite answers busy there,
+    the same read again in a thread of the readers that wait."""
+    engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}")
+    inline = create_sync_readers(engine, inline=True)
+    threaded = create_sync_readers(engine)
+    assert inline is not None and threaded is not None
+    loop_thread = threading.get_ident()
+    ran_in: list[str] = []
+
+    def timeout_of(session: Session) -> int:
+        ran_in.append("loop" if threading.get_ident() == loop_thread else "thread")
+        return int(session.execute(text("PRAGMA busy_timeout")).scalar_one())
+
+    def busy_on_the_loop(session: Session) -> int:
+        if threading.get_ident() == loop_thread:
+            # What SQLite answers a reader at a busy moment (busy_timeout 0).
+            raise OperationalError("SELECT", {}, sqlite3.OperationalError("database is locked"))
+        return timeout_of(session)
+
+    def broken(session: Session) -> int:
+        raise OperationalError("SELECT", {}, sqlite3.OperationalError("no such table: x"))
+
+    try:
+        assert await read_snapshot(inline, threaded, timeout_of) == 0
+        assert ran_in == ["loop"]
+        assert await read_snapshot(inline, threaded, busy_on_the_loop) == LOCK_WAIT * 1000
+        assert ran_in == ["loop", "thread"]
+        with pytest.raises(OperationalError, match="no such table"):
+            await read_snapshot(inline, threaded, broken)  # not busy: not run again
+        assert await read_snapshot(None, threaded, timeout_of) == LOCK_WAIT * 1000
+        assert ran_in[-1] == "thread"
+    finally:
+        dispose_sync_readers(inline)
+        dispose_sync_readers(threaded)
+        await engine.dispose()
