@@ -12,7 +12,11 @@ in one transaction with set-based statements (a handful of statements per
 batch, not per registration) and commits once; only then is each request
 answered. So a 202 still means "committed", and while one batch commits the
 next one gathers: with one request in flight, the latency is one transaction,
-under load the commit cost is shared.
+under load the commit cost is shared. On SQLite the commit's fsync comes
+after the write lock is released (wal_sync.py); the next batch is written
+meanwhile, and each batch is answered once its own fsync is done: a
+registration arriving while another's WAL is being synced waits for the
+write lock only, not for that fsync.
 
 Isolation between the registrations of a batch:
 
@@ -36,7 +40,9 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -54,6 +60,7 @@ from .fresh_batch import NotAllNew
 from .register_timing import BatchTiming, Phases
 
 log = logging.getLogger("tierckpt.register")
+T = TypeVar("T")
 
 # Registrations per transaction. Large enough that 64 concurrent trainers
 # go in one or two commits; small enough that one batch's statements stay
@@ -66,6 +73,13 @@ RUN_CACHE_SIZE = 10_000
 # Checkpoints this writer saw committed, remembered so that their other
 # ranks skip the one-statement attempt that would find them (PostgreSQL).
 EXISTING_CACHE_SIZE = 4096
+# SQLite: the writer's threads; one batch's transaction runs beside the
+# fsync of the batch before it.
+WRITER_THREADS = 2
+
+# Filled by a batch's transactions on SQLite: what its answer waits for
+# (each transaction's fsync; an error raised there fails the batch).
+Syncs = list["asyncio.Future[None]"]
 
 
 class RegistrationBatcher:
@@ -79,14 +93,16 @@ class RegistrationBatcher:
         # (registration, its answer, when it was submitted)
         self._pending: list[tuple[Registration, asyncio.Future[Outcome], float]] = []
         self._writer: asyncio.Task[None] | None = None
+        # Batches committed and waiting for their fsync before they answer.
+        self._answering: set[asyncio.Task[None]] = set()
         self._run_ids: dict[str, int] = {}
         # Eager lock: the worker may run in another process (worker_process.py),
         # where the write gate does not put the registrations first.
         self._sync_engine = create_sync_engine(self.engine, eager_lock=True)
         self._writer_engine = create_writer_engine(self.engine)
-        # Its own thread: the default executor may be queued with the
+        # Its own threads: the default executor may be queued with the
         # uploads' file reads and hashing.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-register")
+        self._thread = ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="tierckpt-register")
         # (run, step) of checkpoints known to exist, newest last.
         self._existing: OrderedDict[tuple[str, int], None] = OrderedDict()
         # PostgreSQL: try new checkpoints in one statement (fresh_batch.py).
@@ -102,6 +118,7 @@ class RegistrationBatcher:
         writer = self._writer
         if writer is not None and not writer.done():
             await asyncio.gather(writer, return_exceptions=True)
+        await asyncio.gather(*self._answering, return_exceptions=True)
         if self._sync_engine is not None:
             self._sync_engine.dispose()
         if self._writer_engine is not None:
@@ -145,12 +162,11 @@ class RegistrationBatcher:
                 continue
             started = time.perf_counter()
             phases = Phases()
+            syncs: Syncs = []
             try:
-                results = await self._write([reg for reg, _, _ in batch], phases)
+                results = await self._write([reg for reg, _, _ in batch], phases, syncs)
             except Exception as exc:
-                for _reg, fut, _at in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
+                _fail(batch, exc)
                 continue
             except BaseException:
                 # Cancelled (the loop is shutting down): nobody is answered.
@@ -158,23 +174,26 @@ class RegistrationBatcher:
                     fut.cancel()
                 self._pending.clear()
                 raise
-            for (_reg, fut, submitted), result in zip(batch, results, strict=True):
-                if fut.done():
-                    continue
-                if isinstance(result, BaseException):
-                    fut.set_exception(result)
-                else:
-                    timing = BatchTiming.of(phases, queued=started - submitted, size=len(batch))
-                    fut.set_result(dataclasses.replace(result, timing=timing))
+            if not syncs:
+                _answer(batch, results, phases, started)
+                continue
+            # Committed; on disk once its fsync is done. The next batch is
+            # written meanwhile.
+            task = asyncio.create_task(
+                _answer_when_synced(batch, results, phases, started, syncs),
+                name="register-answer",
+            )
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
 
     async def _write(
-        self, items: list[Registration], phases: Phases
+        self, items: list[Registration], phases: Phases, syncs: Syncs
     ) -> list[Outcome | BaseException]:
         """The whole batch in one transaction; if the catalog refuses it, one by one."""
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(items))
         try:
-            return await self._write_retrying(items, phases)
+            return await self._write_retrying(items, phases, syncs)
         except Exception as exc:
             self._run_ids.clear()
             if is_catalog_outage(exc) or len(items) == 1:
@@ -187,7 +206,7 @@ class RegistrationBatcher:
         results: list[Outcome | BaseException] = []
         for number, item in enumerate(items):
             try:
-                results.extend(await self._write_retrying([item], phases))
+                results.extend(await self._write_retrying([item], phases, syncs))
             except Exception as exc:
                 self._run_ids.clear()
                 if is_catalog_outage(exc):
@@ -198,7 +217,7 @@ class RegistrationBatcher:
         return results
 
     async def _write_retrying(
-        self, items: list[Registration], phases: Phases
+        self, items: list[Registration], phases: Phases, syncs: Syncs
     ) -> list[Outcome | BaseException]:
         # PostgreSQL: a batch of checkpoints not known to exist is written in
         # one statement first (fresh_batch.py), the full way if one did.
@@ -209,7 +228,7 @@ class RegistrationBatcher:
         )
         for attempt in range(MAX_RACES + 1):
             try:
-                results, new_runs = await self._transaction(items, phases, assume_new)
+                results, new_runs = await self._transaction(items, phases, syncs, assume_new)
             except NotAllNew:
                 self.fresh_misses += 1
                 assume_new = False
@@ -248,12 +267,13 @@ class RegistrationBatcher:
             self._existing.popitem(last=False)
 
     async def _transaction(
-        self, items: list[Registration], phases: Phases, assume_new: bool = False
+        self, items: list[Registration], phases: Phases, syncs: Syncs, assume_new: bool = False
     ) -> tuple[list[Outcome | BaseException], dict[str, int]]:
-        """One transaction, committed on return.
+        """One transaction, committed on return (on SQLite, its fsync is
+        added to ``syncs``, still running).
 
         The batch is plain synchronous Core code on a ``Connection``. On
-        SQLite it runs on a pysqlite connection in one worker thread: one
+        SQLite it runs on a pysqlite connection in a worker thread: one
         thread hop per batch instead of three or four per statement through
         aiosqlite (which, on a busy machine, each cost a scheduling delay).
         On PostgreSQL it runs through ``run_sync`` on an asyncpg connection.
@@ -264,9 +284,29 @@ class RegistrationBatcher:
             async with gated(self.r.sessionmaker):
                 phases.add("gate", time.perf_counter() - waited)
                 loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(
-                    self._thread, self._sync_transaction, self._sync_engine, items, phases
+                committed: asyncio.Future[tuple[list[Outcome | BaseException], dict[str, int]]]
+                committed = loop.create_future()
+
+                def on_commit(out: tuple[list[Outcome | BaseException], dict[str, int]]) -> None:
+                    loop.call_soon_threadsafe(_settle, committed, out)
+
+                synced = loop.run_in_executor(
+                    self._thread,
+                    self._sync_transaction,
+                    self._sync_engine,
+                    items,
+                    phases,
+                    on_commit,
                 )
+                # The thread reports the commit before its fsync, and the
+                # loop hears of it before the thread's end: a transaction
+                # that failed ends the thread with ``committed`` not done.
+                await asyncio.wait((committed, synced), return_when=asyncio.FIRST_COMPLETED)
+                if not committed.done():
+                    synced.result()  # raises what failed the transaction
+                    raise AssertionError("a transaction ended without its commit")
+                syncs.append(synced)
+                return committed.result()
         began = time.perf_counter()
         async with (self._writer_engine or self.engine).connect() as conn:
             phases.add("lock", time.perf_counter() - began)
@@ -288,8 +328,12 @@ class RegistrationBatcher:
             return out
 
     def _sync_transaction(
-        self, engine: Engine, items: list[Registration], phases: Phases
-    ) -> tuple[list[Outcome | BaseException], dict[str, int]]:
+        self,
+        engine: Engine,
+        items: list[Registration],
+        phases: Phases,
+        on_commit: Callable[[tuple[list[Outcome | BaseException], dict[str, int]]], None],
+    ) -> None:
         began = time.perf_counter()
         held: lock_holder.Held | None = None
         try:
@@ -313,8 +357,55 @@ class RegistrationBatcher:
         finally:
             if held is not None:
                 lock_holder.released(held)
-        # COMMIT released the lock (synchronous=NORMAL); the answer waits for
-        # the WAL on disk (wal_sync.py), the worker's writers no longer do.
+        # COMMIT released the lock (synchronous=NORMAL): the next batch may be
+        # written while this one's answer waits for the WAL on disk
+        # (wal_sync.py); the worker's writers no longer wait for it either.
+        on_commit(out)
         wal_sync_for(engine.url.database or "").sync()
         phases.add("sync", time.perf_counter() - synced)
-        return out
+
+
+def _settle(future: asyncio.Future[T], value: T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(
+    batch: list[tuple[Registration, asyncio.Future[Outcome], float]], exc: BaseException
+) -> None:
+    for _reg, fut, _at in batch:
+        if not fut.done():
+            fut.set_exception(exc)
+
+
+def _answer(
+    batch: list[tuple[Registration, asyncio.Future[Outcome], float]],
+    results: list[Outcome | BaseException],
+    phases: Phases,
+    started: float,
+) -> None:
+    for (_reg, fut, submitted), result in zip(batch, results, strict=True):
+        if fut.done():
+            continue
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            timing = BatchTiming.of(phases, queued=started - submitted, size=len(batch))
+            fut.set_result(dataclasses.replace(result, timing=timing))
+
+
+async def _answer_when_synced(
+    batch: list[tuple[Registration, asyncio.Future[Outcome], float]],
+    results: list[Outcome | BaseException],
+    phases: Phases,
+    started: float,
+    syncs: Syncs,
+) -> None:
+    """Answer a committed batch once its fsyncs are done; if one failed, the
+    batch's registrations are not known to be on disk: they fail."""
+    try:
+        await asyncio.gather(*syncs)
+    except Exception as exc:
+        _fail(batch, exc)
+        return
+    _answer(batch, results, phases, started)

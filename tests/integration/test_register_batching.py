@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from tierckpt.service.checkpoints.schemas import RegisterRequest
 from tierckpt.service.checkpoints.service import submit_registration
 from tierckpt.service.errors import ApiError
 from tierckpt.service.models import Checkpoint, File, Job, Replica, Shard
+from tierckpt.service.wal_sync import wal_sync_for
 
 
 async def count(agent: Agent, model: Any) -> int:
@@ -296,3 +299,43 @@ async def test_the_flag_for_the_worker_process_is_up_from_submit_until_the_lock_
         assert (await agent.register("r", 1, path)).status_code == 202
         assert seen == [True, False]
         assert not flag.raised()
+
+
+async def test_a_batch_is_written_while_the_one_before_waits_for_its_fsync(
+    tmp_path: Path,
+) -> None:
+    """SQLite: the write lock is free once a batch has committed, before its
+    WAL fsync; the next batch is written then, and each batch is answered
+    only once its own fsync is done. Here the first fsync is held until the
+    second registration is in the catalog (a writer that waited for that
+    fsync would never get there) and answered."""
+    database = tmp_path / "catalog.db"
+    async with running_agent(
+        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False
+    ) as agent:
+        first = write_checkpoint(agent.ssd / "s1", {"a.bin": b"a"})
+        second = write_checkpoint(agent.ssd / "s2", {"b.bin": b"b"})
+        wal = wal_sync_for(str(database))
+        real_fsync = wal._fsync
+        entered, release = threading.Event(), threading.Event()
+
+        def held_once() -> None:
+            if not entered.is_set():
+                entered.set()
+                release.wait(30)
+            real_fsync()
+
+        wal._fsync = held_once  # type: ignore[method-assign]
+        try:
+            one = asyncio.create_task(agent.register("r", 1, first))
+            assert await asyncio.to_thread(entered.wait, 10)
+            two = await asyncio.wait_for(agent.register("r", 2, second), 10)
+            assert two.status_code == 202, two.text
+            assert not one.done()  # its fsync is still held: not answered
+            steps = sqlite3.connect(database).execute("SELECT step FROM checkpoints").fetchall()
+            assert sorted(s for (s,) in steps) == [1, 2]  # both committed
+        finally:
+            release.set()
+            wal._fsync = real_fsync  # type: ignore[method-assign]
+        answered = await asyncio.wait_for(one, 10)
+        assert answered.status_code == 202, answered.text
