@@ -20,8 +20,9 @@ default with SQLite), side by side. Both on SQLite and on PostgreSQL. The machin
 measured during each loaded round too: an fsync of 4 KiB on the catalog's
 disk (every registration commits one) and how late a 1 ms sleep wakes up
 (the wait for a CPU). Client-observed times, and the agent's own time for the
-same requests (its request log: from the first byte of the request to the
-last of the answer).
+same requests (each answer's ``Server-Timing`` header: from the request's
+arrival in the agent's application to the answer's headers); the phases of
+a registration come from the agent's request log.
 
 Each round also times the trainer's default path under the same load: a
 segment of the agent's memory tier reserved, written and registered
