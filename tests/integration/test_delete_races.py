@@ -40,6 +40,15 @@ def _left_in_region(tmp_path: Path, name: str = "local") -> list[str]:
     return sorted(str(p.relative_to(region)) for p in region.rglob("*") if p.is_file())
 
 
+async def _delete_and_sweep(agent: Agent, *, force: bool = False) -> None:
+    """Delete r:1 and wait for its delete job: the catalog, then every
+    region's sweep."""
+    query = "?force=true" if force else ""
+    deleted = await agent.http.delete(f"/v1/runs/r/checkpoints/1{query}")
+    assert deleted.status_code == 202, deleted.text
+    await _jobs_done(agent, "delete")
+
+
 @pytest.mark.parametrize("moment", ["upload", "commit"])
 async def test_deleted_mid_flight_leaves_nothing_in_the_region(
     catalog_url: str, tmp_path: Path, moment: str
@@ -56,9 +65,7 @@ async def test_deleted_mid_flight_leaves_nothing_in_the_region(
             nonlocal raced
             if not raced and (moment == "commit") == key.endswith("MANIFEST.json"):
                 raced = True
-                deleted = await agent.http.delete("/v1/runs/r/checkpoints/1")
-                assert deleted.status_code == 202, deleted.text
-                await _jobs_done(agent, "delete")
+                await _delete_and_sweep(agent)
             await put_bytes(key, data)
 
         store.put_bytes = put_then_race
@@ -96,9 +103,7 @@ async def test_a_job_run_again_after_a_deletion_takes_back_what_it_wrote(
                 await put_bytes(key, data)
                 return
             dropped = True
-            deleted = await agent.http.delete("/v1/runs/r/checkpoints/1")
-            assert deleted.status_code == 202, deleted.text
-            await _jobs_done(agent, "delete")
+            await _delete_and_sweep(agent)
             await put_bytes(key, data)
             raise StoreError("the connection dropped after the write landed")
 
@@ -138,9 +143,7 @@ async def test_deleted_while_replicating_leaves_nothing_in_the_target_region(
             if not raced and key.endswith("MANIFEST.json"):
                 raced = True
                 # Durable in the primary, so the latest valid: force.
-                deleted = await agent.http.delete("/v1/runs/r/checkpoints/1?force=true")
-                assert deleted.status_code == 202, deleted.text
-                await _jobs_done(agent, "delete")
+                await _delete_and_sweep(agent, force=True)
                 await put_bytes(key, data)
                 if then == "drops":
                     raise StoreError("the connection dropped after the write landed")
