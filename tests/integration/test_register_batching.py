@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import sqlite3
 import threading
 from pathlib import Path
@@ -339,3 +340,38 @@ async def test_a_batch_is_written_while_the_one_before_waits_for_its_fsync(
             wal._fsync = real_fsync  # type: ignore[method-assign]
         answered = await asyncio.wait_for(one, 10)
         assert answered.status_code == 202, answered.text
+
+
+async def test_a_failed_fsync_answers_503_and_registering_again_succeeds(tmp_path: Path) -> None:
+    """SQLite: the batch committed but its WAL could not be synced (EIO): the
+    registration is not known to be durable, so it is not answered 202; the
+    same registration again succeeds (idempotent) once the log syncs."""
+    database = tmp_path / "catalog.db"
+    async with running_agent(
+        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False
+    ) as agent:
+        ckpt = write_checkpoint(agent.ssd / "s1", {"a.bin": b"a"})
+        wal = wal_sync_for(str(database))
+        real_fsync = wal._fsync
+        failed = threading.Event()
+
+        def fails_once() -> None:
+            if not failed.is_set():
+                failed.set()
+                raise OSError(errno.EIO, "Input/output error")
+            real_fsync()
+
+        wal._fsync = fails_once  # type: ignore[method-assign]
+        try:
+            answer = await agent.register("r", 1, ckpt)
+        finally:
+            wal._fsync = real_fsync  # type: ignore[method-assign]
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "catalog_unavailable"
+        assert "register it again" in answer.json()["error"]["message"]
+        assert answer.headers["retry-after"] == "2"
+        # Committed the first time: a repeat of a registration answers 200,
+        # after an fsync of its own that covers the first commit too.
+        again = await agent.register("r", 1, ckpt)
+        assert again.status_code == 200, again.text
+        assert again.json()["state"] == "registered"
