@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.orm import Session, sessionmaker
 
 from .observability import metrics
-from .sqlite_driver import LOCK_WAIT, connector
+from .sqlite_driver import LOCK_WAIT, busy, connector
 from .write_gate import READ_ONLY, GaveWay, giving_way, raising_urgent
 
 T = TypeVar("T")
@@ -114,7 +114,7 @@ def _begin_eagerly(dbapi_connection: Any) -> None:
         dbapi_connection.execute("BEGIN IMMEDIATE")
         return
     except sqlite3.OperationalError as exc:
-        if not _busy(exc):
+        if not busy(exc):
             raise
     # Taken: the worker process yields to us from its next transaction on
     # (write_gate.UrgentFlag), so we wait for the one holding it only.
@@ -133,7 +133,7 @@ def _begin_eagerly(dbapi_connection: Any) -> None:
                 dbapi_connection.execute("BEGIN IMMEDIATE")
                 return
             except sqlite3.OperationalError as exc:
-                if not _busy(exc):
+                if not busy(exc):
                     raise
                 if time.monotonic() > deadline:
                     raise
@@ -169,13 +169,9 @@ async def read_snapshot(
         try:
             return in_sync_session(inline, read, *args)
         except OperationalError as exc:
-            if not isinstance(exc.orig, sqlite3.OperationalError) or not _busy(exc.orig):
+            if not isinstance(exc.orig, sqlite3.OperationalError) or not busy(exc.orig):
                 raise
     return await asyncio.to_thread(in_sync_session, threaded, read, *args)
-
-
-def _busy(exc: sqlite3.OperationalError) -> bool:
-    return "locked" in str(exc) or "busy" in str(exc)
 
 
 def create_sync_readers(

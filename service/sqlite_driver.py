@@ -77,7 +77,8 @@ def _reads() -> ThreadPoolExecutor:
     return _READS
 
 
-def _busy(exc: sqlite3.OperationalError) -> bool:
+def busy(exc: sqlite3.OperationalError) -> bool:
+    """SQLite answered that another connection holds what was asked for."""
     text = str(exc)
     return "locked" in text or "busy" in text
 
@@ -197,7 +198,7 @@ class InlineConnection:
                         self._alone(cursor.execute, sql)
                         break
                     except sqlite3.OperationalError as exc:
-                        if not _busy(exc) or loop.time() > deadline:
+                        if not busy(exc) or loop.time() > deadline:
                             raise
                     await asyncio.sleep(_PAUSES[min(tries, len(_PAUSES) - 1)])
                     tries += 1

@@ -13,7 +13,7 @@ and equals the checkpoint's detail view).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -26,8 +26,6 @@ from ..resources import Resources
 from . import repository as repo
 from .presenter import Listing, latest_document, to_json
 from .repository import LatestRows
-
-T = TypeVar("T")
 
 
 async def latest_json(
