@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..db import in_sync_session, reading
+from ..db import read_snapshot, reading
 from ..draining import DrainState
 from ..errors import BadInput, Conflict, NotFound
 from ..jobs.kinds import enqueue_delete, enqueue_verify
@@ -184,20 +184,14 @@ class CheckpointService:
         """The detail view and the rows it was made of: the memory tier's
         lookup adds the copies from them without reading them again."""
         if self.r.sync_readers is not None:  # SQLite: the whole read in one thread hop
-            rows = await asyncio.to_thread(
-                in_sync_session, self.r.sync_readers, repo.detail_rows, run, step
-            )
+            rows = await read_snapshot(None, self.r.sync_readers, repo.detail_rows, run, step)
         else:
             rows = await self.session.run_sync(repo.detail_rows, run, step)
         if rows is None:
             # The NotFound that says which is missing (or, registered since,
             # the checkpoint read the other way).
             checkpoint = await self._checkpoint(run, step)
-            shards = await repo.shards_of(self.session, [checkpoint.id])
-            listing = await self._listing(
-                run, checkpoint, shards=shards, with_files=True, with_jobs=True
-            )
-            return Detail(checkpoint, shards, checkpoint_out(run, checkpoint, listing))
+            return await self._detail_of(run, checkpoint, with_files=True, with_jobs=True)
         listing = Listing(
             shards=rows.shards,
             replicas=rows.replicas,
@@ -232,22 +226,16 @@ class CheckpointService:
     async def describe(
         self, run: str, checkpoint: Checkpoint, *, with_files: bool, with_jobs: bool = False
     ) -> CheckpointOut:
-        shards = await repo.shards_of(self.session, [checkpoint.id])
-        listing = await self._listing(
-            run, checkpoint, shards=shards, with_files=with_files, with_jobs=with_jobs
-        )
-        return checkpoint_out(run, checkpoint, listing)
+        return (
+            await self._detail_of(run, checkpoint, with_files=with_files, with_jobs=with_jobs)
+        ).out
 
-    async def _listing(
-        self,
-        run: str,
-        checkpoint: Checkpoint,
-        *,
-        shards: list[Shard],
-        with_files: bool,
-        with_jobs: bool,
-    ) -> Listing:
-        return Listing(
+    async def _detail_of(
+        self, run: str, checkpoint: Checkpoint, *, with_files: bool, with_jobs: bool
+    ) -> Detail:
+        """``checkpoint``'s view, its rows read statement by statement."""
+        shards = await repo.shards_of(self.session, [checkpoint.id])
+        listing = Listing(
             shards=shards,
             replicas=await repo.replicas_of(self.session, [checkpoint.id]),
             children=await repo.children_of(self.session, run, checkpoint.step),
@@ -255,6 +243,7 @@ class CheckpointService:
             jobs=await repo.jobs_of(self.session, checkpoint.id) if with_jobs else None,
             regions=list(self.r.stores),
         )
+        return Detail(checkpoint, shards, checkpoint_out(run, checkpoint, listing))
 
     async def list(
         self,
