@@ -73,6 +73,8 @@ class _Start:
     base: Path
     files: list[File]
     fan_outs: list[Job]
+    # The checkpoint was deleted: its objects are to be taken back, not sent.
+    deleted: bool = False
 
 
 class HashDisagrees(Exception):
@@ -112,8 +114,7 @@ class UploadJobs:
         sent_along = teed[1] if teed is not None and teed[0] == job.lease_token else None
         next_jobs = follow_ups()
 
-        async def start(session: AsyncSession) -> _Start | list[str] | None:
-            """What to upload; or, the checkpoint deleted, the keys to take back."""
+        async def start(session: AsyncSession) -> _Start | None:
             checkpoint = await locked(session, job.checkpoint_id)
             if checkpoint.state == CheckpointState.FAILED:
                 await queue.complete(session, job)
@@ -121,12 +122,11 @@ class UploadJobs:
             run = await session.get_one(Run, checkpoint.run_id)
             shard = await session.get_one(Shard, job.shard_id)
             files = list(await session.scalars(select(File).where(File.shard_id == shard.id)))
+            base = Path(shard.path)
             if checkpoint.state == CheckpointState.DELETED:
                 # An earlier run of this job may have landed objects after the
                 # deletion's sweep and been killed before taking them back.
-                return [
-                    layout.object_key(run.name, checkpoint.step, shard.rank, f.path) for f in files
-                ]
+                return _Start(run.name, checkpoint.step, shard.rank, base, files, [], deleted=True)
             if not repair:
                 # A fan-out upload may start after the primary has finished.
                 if shard.state == ShardState.REGISTERED:
@@ -136,13 +136,10 @@ class UploadJobs:
             fan_outs = []
             if mode == UploadMode.PRIMARY:
                 fan_outs = await self._fan_out(session, checkpoint, job, next_jobs)
-            return _Start(run.name, checkpoint.step, shard.rank, Path(shard.path), files, fan_outs)
+            return _Start(run.name, checkpoint.step, shard.rank, base, files, fan_outs)
 
         started = await transaction_giving_way(self.r.sessionmaker, start)
         if started is None:
-            return
-        if isinstance(started, list):
-            await withdraw_then_complete(self.r.sessionmaker, store, started, job)
             return
         run_name, step, rank, base = started.run, started.step, started.rank, started.base
         files, fan_outs = started.files, started.fan_outs
@@ -165,6 +162,9 @@ class UploadJobs:
             )
             for f in files
         ]
+        if started.deleted:
+            await withdraw_then_complete(self.r.sessionmaker, store, [s.key for s in sources], job)
+            return
         if isinstance(sent_along, list):
             uploaded = sent_along
         elif isinstance(sent_along, SourceChanged):
