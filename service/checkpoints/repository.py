@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 from sqlalchemy import (
     JSON,
     ColumnElement,
-    Executable,
     Select,
     String,
     bindparam,
@@ -22,6 +21,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, aliased
+from sqlalchemy.sql.elements import BindParameter
 
 from ..db import dialect_name
 from ..models import (
@@ -29,6 +29,7 @@ from ..models import (
     Checkpoint,
     File,
     Job,
+    PeerCopy,
     Replica,
     ReplicaState,
     Run,
@@ -98,7 +99,7 @@ FILE_COLUMNS = (
 FileRow = Any
 
 
-def _file_rows(checkpoint_id: int) -> Select[int, str, int, str | None]:
+def _file_rows(checkpoint_id: int | BindParameter[int]) -> Select[int, str, int, str | None]:
     return (
         select(*FILE_COLUMNS)
         .join(File, File.shard_id == Shard.id)
@@ -134,7 +135,7 @@ async def chunk_hashes(
 
 
 async def children_of(session: AsyncSession, run: str, step: int) -> list[tuple[str, int]]:
-    rows = await session.execute(children_statement(run, step))
+    rows = await session.execute(CHILDREN, {"run": run, "step": step})
     return [(name, child_step) for name, child_step in rows]
 
 
@@ -409,10 +410,6 @@ def latest_rows(
     )
 
 
-def children_statement(run: str, step: int) -> Executable:
-    return CHILDREN.params(run=run, step=step)
-
-
 async def list_checkpoints(
     session: AsyncSession,
     run_id: int,
@@ -459,7 +456,7 @@ async def list_runs(
     return [(run, count, top) for run, count, top in rows], int(total or 0)
 
 
-def _jobs(checkpoint_id: int) -> Select[Job, int]:
+def _jobs(checkpoint_id: int | BindParameter[int]) -> Select[Job, int]:
     return (
         select(Job, Shard.rank)
         .outerjoin(Shard, Shard.id == Job.shard_id)
@@ -482,29 +479,51 @@ class DetailRows:
     children: list[tuple[str, int]]
     files: Sequence[FileRow]
     jobs: list[tuple[Job, int | None]]
+    peer_copies: list[PeerCopy]
+
+
+# The detail's statements, built once: each poll of a checkpoint's detail
+# then only binds its values (building a statement and its cache key took
+# about as long as running it).
+_DETAIL_CHECKPOINT = (
+    select(Checkpoint)
+    .join(Run, Run.id == Checkpoint.run_id)
+    .where(Run.name == bindparam("run"), Checkpoint.step == bindparam("step"))
+)
+_DETAIL_SHARDS = select(Shard).where(Shard.checkpoint_id == bindparam("id")).order_by(Shard.rank)
+_DETAIL_REPLICAS = (
+    select(Replica).where(Replica.checkpoint_id == bindparam("id")).order_by(Replica.id)
+)
+_DETAIL_FILES = _file_rows(bindparam("id"))
+_DETAIL_JOBS = _jobs(bindparam("id"))
+_DETAIL_PEER_COPIES = (
+    select(PeerCopy)
+    .where(PeerCopy.checkpoint_id == bindparam("id"))
+    .order_by(PeerCopy.node, PeerCopy.shard_id)
+)
 
 
 def detail_rows(session: Session, run: str, step: int) -> DetailRows | None:
     """The checkpoint ``run``/``step`` and its rows (None: there is none),
     written against a plain (sync) Session like latest_rows: on SQLite the
-    whole read is one hop to a database thread, not a turn of the event
-    loop per statement. The detail is what callers poll while they wait
-    for a checkpoint, so it runs often beside registrations."""
-    checkpoint = session.scalar(
-        select(Checkpoint)
-        .join(Run, Run.id == Checkpoint.run_id)
-        .where(Run.name == run, Checkpoint.step == step)
-    )
+    whole read runs on the event loop (db.read_snapshot), not a turn of it
+    per statement. The detail is what callers poll while they wait for a
+    checkpoint, so it runs often beside registrations; the peer copies are
+    read in the same snapshot."""
+    checkpoint = session.scalar(_DETAIL_CHECKPOINT, {"run": run, "step": step})
     if checkpoint is None:
         return None
-    ids = [checkpoint.id]
+    by_id = {"id": checkpoint.id}
     return DetailRows(
         checkpoint=checkpoint,
-        shards=list(session.scalars(_shards(ids))),
-        replicas=list(session.scalars(_replicas(ids))),
-        children=[(name, child) for name, child in session.execute(children_statement(run, step))],
-        files=session.execute(_file_rows(checkpoint.id)).all(),
-        jobs=[(job, rank) for job, rank in session.execute(_jobs(checkpoint.id))],
+        shards=list(session.scalars(_DETAIL_SHARDS, by_id)),
+        replicas=list(session.scalars(_DETAIL_REPLICAS, by_id)),
+        children=[
+            (name, child) for name, child in session.execute(CHILDREN, {"run": run, "step": step})
+        ],
+        files=session.execute(_DETAIL_FILES, by_id).all(),
+        jobs=[(job, rank) for job, rank in session.execute(_DETAIL_JOBS, by_id)],
+        peer_copies=list(session.scalars(_DETAIL_PEER_COPIES, by_id)),
     )
 
 

@@ -18,12 +18,14 @@ from ..models import (
     PRIORITY,
     Checkpoint,
     CheckpointState,
+    PeerCopy,
     ReplicaState,
     Shard,
     utcnow,
 )
 from ..observability import metrics
 from ..peers.plan import peer_sources
+from ..peers.repository import copies_of
 from ..resources import Resources
 from ..storage import layout
 from ..storage.chunks import decode as decode_chunks
@@ -147,11 +149,12 @@ async def register(
 @dataclass(frozen=True)
 class Detail:
     """The detail view, and the rows the memory tier's lookup reads its
-    copies from (T0 and the peers' ranks)."""
+    copies from (T0, the peers' ranks and their copies)."""
 
     checkpoint: Checkpoint
     shards: list[Shard]
     out: CheckpointOut
+    peer_copies: list[PeerCopy]
 
 
 class CheckpointService:
@@ -183,15 +186,19 @@ class CheckpointService:
     async def detail(self, run: str, step: int) -> Detail:
         """The detail view and the rows it was made of: the memory tier's
         lookup adds the copies from them without reading them again."""
-        if self.r.sync_readers is not None:  # SQLite: the whole read in one thread hop
-            rows = await read_snapshot(None, self.r.sync_readers, repo.detail_rows, run, step)
+        if self.r.sync_readers is not None:  # SQLite: one read, on the loop as latest's
+            rows = await read_snapshot(
+                self.r.inline_readers, self.r.sync_readers, repo.detail_rows, run, step
+            )
         else:
             rows = await self.session.run_sync(repo.detail_rows, run, step)
         if rows is None:
             # The NotFound that says which is missing (or, registered since,
             # the checkpoint read the other way).
             checkpoint = await self._checkpoint(run, step)
-            return await self._detail_of(run, checkpoint, with_files=True, with_jobs=True)
+            return await self._detail_of(
+                run, checkpoint, with_files=True, with_jobs=True, with_peer_copies=True
+            )
         listing = Listing(
             shards=rows.shards,
             replicas=rows.replicas,
@@ -200,7 +207,12 @@ class CheckpointService:
             jobs=rows.jobs,
             regions=list(self.r.stores),
         )
-        return Detail(rows.checkpoint, rows.shards, checkpoint_out(run, rows.checkpoint, listing))
+        return Detail(
+            rows.checkpoint,
+            rows.shards,
+            checkpoint_out(run, rows.checkpoint, listing),
+            rows.peer_copies,
+        )
 
     async def summary(self, run: str, step: int) -> CheckpointOut:
         """The checkpoint without its files and jobs (a registration's answer)."""
@@ -231,7 +243,13 @@ class CheckpointService:
         ).out
 
     async def _detail_of(
-        self, run: str, checkpoint: Checkpoint, *, with_files: bool, with_jobs: bool
+        self,
+        run: str,
+        checkpoint: Checkpoint,
+        *,
+        with_files: bool,
+        with_jobs: bool,
+        with_peer_copies: bool = False,
     ) -> Detail:
         """``checkpoint``'s view, its rows read statement by statement."""
         shards = await repo.shards_of(self.session, [checkpoint.id])
@@ -243,7 +261,8 @@ class CheckpointService:
             jobs=await repo.jobs_of(self.session, checkpoint.id) if with_jobs else None,
             regions=list(self.r.stores),
         )
-        return Detail(checkpoint, shards, checkpoint_out(run, checkpoint, listing))
+        peer_copies = await copies_of(self.session, [checkpoint.id]) if with_peer_copies else []
+        return Detail(checkpoint, shards, checkpoint_out(run, checkpoint, listing), peer_copies)
 
     async def list(
         self,

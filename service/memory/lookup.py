@@ -59,9 +59,7 @@ async def detail(
     if memory is not None:
         copies += memory.memory_copies(memory.held(run, step))
     copies += _t0_copies(shards)
-    peers = await peer_view(
-        service.session, detail.checkpoint, shards, service.settings.peers.copies
-    )
+    peers = peer_view(detail.checkpoint, shards, detail.peer_copies, service.settings.peers.copies)
     copies += peers.copies
     copies += await _prefetched_copies(service, detail.checkpoint.id, out)
     copies += [
@@ -102,9 +100,14 @@ async def _prefetched_copies(
     if not out.files:
         return []
     settings = service.settings
+    directory = copies.step_dir(settings, out.run, out.step)
+    # Most checkpoints were never prefetched here: one stat on the loop says
+    # so, without the thread hop that reading the copy's marker takes.
+    if not directory.is_dir():
+        return []
     ranks = await asyncio.to_thread(
         copies.intact_ranks,
-        copies.step_dir(settings, out.run, out.step),
+        directory,
         checkpoint_id,
         [(f.rank, f.path, f.size, f.sha256) for f in out.files],
     )

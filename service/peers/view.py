@@ -6,10 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
-from ..models import Checkpoint, PeerCopyState, Shard
-from .repository import copies_of
+from ..models import Checkpoint, PeerCopy, PeerCopyState, Shard
 from .state import by_node, peer_safe
 
 
@@ -21,13 +18,13 @@ class PeerView:
     copies: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def peer_view(
-    session: AsyncSession, checkpoint: Checkpoint, shard_rows: Iterable[Shard], needed: int
+def peer_view(
+    checkpoint: Checkpoint, shard_rows: Iterable[Shard], copies: list[PeerCopy], needed: int
 ) -> PeerView:
-    """From the checkpoint and shard rows the detail view has read already."""
+    """From the checkpoint, shard and peer copy rows the detail view has read
+    (in one snapshot)."""
     world_size = checkpoint.world_size
     shards = {s.id: (s.node, s.rank) for s in shard_rows}
-    copies = await copies_of(session, [checkpoint.id])
     view = PeerView(
         peers=[
             {

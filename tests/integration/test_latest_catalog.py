@@ -235,7 +235,7 @@ async def test_latest_queries_use_indexes_not_scans(tmp_path: Path) -> None:
             "latest_region": repo.LATEST_STATEMENTS[True].params(
                 run=RUN, min_regions=1, region="west"
             ),
-            "children": repo.children_statement(RUN, 200),
+            "children": repo.CHILDREN.params(run=RUN, step=200),
             "shards_with_files": repo.SHARDS_WITH_FILES.params(checkpoint_id=1),
         }.items()
     }
