@@ -40,7 +40,6 @@ from ..jobs import queue
 from ..jobs.worker import JobHandler, PermanentJobError
 from ..models import (
     Checkpoint,
-    CheckpointState,
     File,
     Job,
     JobKind,
@@ -53,7 +52,7 @@ from ..resources import Resources
 from ..uploads.source import SourceChanged, SourceFile, open_checked
 from . import agents
 from .receive import upsert_copy
-from .state import spread_key
+from .state import GONE, spread_key
 
 log = logging.getLogger("tierckpt.peers")
 
@@ -103,7 +102,7 @@ class PeerPushJobs:
                 wanted <= 0
                 or checkpoint is None
                 or shard is None
-                or checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED)
+                or checkpoint.state in GONE
                 or shard.evicted_at is not None
             ):
                 await queue.complete(session, job)

@@ -11,6 +11,12 @@ that every file of the shard arrived, gives each its registered mtime (an
 upload from this copy, after a takeover, checks it), fsyncs, renames the
 partial directory into place and records the copy committed.
 
+A shard of a checkpoint deleted (or failed) is refused, 409
+``checkpoint_gone``, at each file and again at the commit, in the
+transaction that would record it; what arrived of it is discarded. A
+deletion that commits after that transaction leaves a committed copy of a
+deleted checkpoint: the node's next peer pass evicts it (upkeep.py).
+
 Crash safety: a kill at any moment leaves either no committed row (the
 pusher pushes again; the partial directory is replaced) or a directory
 renamed into place, fsynced, before the row says committed.
@@ -33,10 +39,20 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from ...client._files import fsync_dir
 from ..db import dialect_name, reading, transaction
 from ..errors import ApiError, BadInput, Conflict, NotFound
-from ..models import Checkpoint, File, PeerCopy, PeerCopyState, Run, Shard, utcnow
+from ..models import (
+    Checkpoint,
+    CheckpointState,
+    File,
+    PeerCopy,
+    PeerCopyState,
+    Run,
+    Shard,
+    utcnow,
+)
 from ..observability import metrics
 from ..resources import Resources
 from . import layout
+from .state import GONE
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,7 @@ class ShardInfo:
     step: int
     rank: int
     node: str
+    checkpoint_state: str
     # relative path -> (size, sha256 or None, mtime_ns)
     files: dict[str, tuple[int, str | None, int]]
 
@@ -54,7 +71,14 @@ class ShardInfo:
 async def shard_info(session: AsyncSession, shard_id: int) -> ShardInfo:
     row = (
         await session.execute(
-            select(Shard.checkpoint_id, Shard.rank, Shard.node, Checkpoint.step, Run.name)
+            select(
+                Shard.checkpoint_id,
+                Shard.rank,
+                Shard.node,
+                Checkpoint.step,
+                Checkpoint.state,
+                Run.name,
+            )
             .join(Checkpoint, Checkpoint.id == Shard.checkpoint_id)
             .join(Run, Run.id == Checkpoint.run_id)
             .where(Shard.id == shard_id)
@@ -62,7 +86,7 @@ async def shard_info(session: AsyncSession, shard_id: int) -> ShardInfo:
     ).one_or_none()
     if row is None:
         raise NotFound(f"shard {shard_id} is not in the catalog", code="shard_not_found")
-    checkpoint_id, rank, node, step, run = row
+    checkpoint_id, rank, node, step, state, run = row
     files = {
         path: (size, sha256, mtime_ns)
         for path, size, sha256, mtime_ns in await session.execute(
@@ -71,7 +95,7 @@ async def shard_info(session: AsyncSession, shard_id: int) -> ShardInfo:
             )
         )
     }
-    return ShardInfo(shard_id, checkpoint_id, run, step, rank, node, files)
+    return ShardInfo(shard_id, checkpoint_id, run, step, rank, node, state, files)
 
 
 async def load_shard(resources: Resources, shard_id: int) -> ShardInfo:
@@ -116,6 +140,7 @@ async def receive_file(
     info = await load_shard(resources, shard_id)
     if info.node == resources.settings.server.node:
         raise Conflict("a shard is not pushed to its own node", code="own_shard")
+    await _refuse_if_gone(resources, info, info.checkpoint_state)
     expected = info.files.get(relative)
     if expected is None:
         raise NotFound(
@@ -195,12 +220,20 @@ def _finish(staging: Path, final: Path, files: dict[str, tuple[int, str | None, 
 
 async def commit_copy(resources: Resources, shard_id: int) -> Path:
     info = await load_shard(resources, shard_id)
+    await _refuse_if_gone(resources, info, info.checkpoint_state)
     final = _final_dir(resources, info)
     staging = layout.partial_dir(final)
     await asyncio.to_thread(_finish, staging, final, info.files)
     node = resources.settings.server.node
     now = utcnow()
     async with transaction(resources.sessionmaker) as session:
+        state = await session.scalar(
+            select(Checkpoint.state).where(Checkpoint.id == info.checkpoint_id)
+        )
+        if state is None or state in GONE:
+            # Deleted since the check above: the renamed copy goes too.
+            await asyncio.to_thread(shutil.rmtree, final, True)
+            await _refuse_if_gone(resources, info, state or CheckpointState.DELETED)
         await upsert_copy(
             session,
             shard_id=shard_id,
@@ -244,6 +277,19 @@ async def upsert_copy(
         set_={k: v for k, v in values.items() if k not in ("shard_id", "node", "created_at")},
     )
     await session.execute(statement)
+
+
+async def _refuse_if_gone(resources: Resources, info: ShardInfo, state: str) -> None:
+    """409 for a shard of a deleted or failed checkpoint; what arrived of
+    it is discarded first."""
+    if state not in GONE:
+        return
+    await asyncio.to_thread(discard_partial, resources, info)
+    raise Conflict(
+        f"checkpoint {info.run}:{info.step} is {state}: no peer copy of it is kept; "
+        "the files sent were discarded",
+        code="checkpoint_gone",
+    )
 
 
 def discard_partial(resources: Resources, info: ShardInfo) -> None:

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from ..models import PeerCopyState
+from ..models import CheckpointState, PeerCopyState
+
+# A checkpoint in one of these states keeps no peer copy: none is received,
+# and the peer pass evicts any a node holds.
+GONE = (CheckpointState.FAILED, CheckpointState.DELETED)
 
 
 class CopyValues(Protocol):

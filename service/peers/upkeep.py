@@ -51,6 +51,7 @@ from ..models import (
 from ..resources import Resources
 from . import agents
 from .repository import held_here
+from .state import GONE
 
 log = logging.getLogger("tierckpt.peers")
 
@@ -59,7 +60,6 @@ TOP_UP_LIMIT = 500
 
 # A checkpoint in one of these states needs no peer copy any more.
 SAFE_ELSEWHERE = (CheckpointState.DURABLE, CheckpointState.REPLICATED)
-GONE = (CheckpointState.FAILED, CheckpointState.DELETED)
 
 
 class PeerUpkeep:

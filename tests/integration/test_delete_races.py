@@ -18,7 +18,8 @@ import pytest
 from sqlalchemy import select
 
 from devsupport.agent import Agent, posix_region, running_agent, write_checkpoint
-from tierckpt.service.models import Checkpoint, Job, Replica
+from tierckpt.service.models import Checkpoint, Job, PeerCopy, Replica, Shard
+from tierckpt.service.peers import receive
 from tierckpt.service.storage.base import StoreError
 
 
@@ -161,3 +162,57 @@ async def test_deleted_while_replicating_leaves_nothing_in_the_target_region(
             assert await session.scalar(select(Checkpoint.state)) == "deleted"
             replicas = list(await session.scalars(select(Replica.state)))
         assert "committed" not in replicas, replicas
+
+
+@pytest.mark.parametrize("moment", ["before the commit", "during the commit"])
+async def test_a_peer_copy_of_a_deleted_checkpoint_is_refused_and_discarded(
+    catalog_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    """Node A's checkpoint is being pushed to node B when it is deleted: B
+    refuses the rest of the push, 409 ``checkpoint_gone``, and keeps none of
+    it: no partial directory, no copy, no committed copy in the catalog.
+    "during the commit": the deletion lands after the commit read the
+    checkpoint's state (here: it is handed the state read before the
+    deletion) and before it records the copy, which it has renamed into
+    place by then."""
+    region = [posix_region("local", tmp_path / "region-local")]
+    async with running_agent(
+        catalog_url, tmp_path, region, ssd=tmp_path / "ssd-a", server={"node": "node-a"}
+    ) as a:
+        ckpt = write_checkpoint(a.ssd / "s1", {"a.bin": 3000, "b.bin": 2000})
+        assert (await a.register("r", 1, ckpt)).status_code == 202
+        await _jobs_done(a, "upload")  # the catalog has the files' hashes
+        async with a.resources.sessionmaker() as session:
+            shard_id = await session.scalar(select(Shard.id))
+    async with running_agent(
+        catalog_url, tmp_path, region, ssd=tmp_path / "ssd-b", server={"node": "node-b"}
+    ) as b:
+        files = f"/v1/peers/shards/{shard_id}/files"
+        for name in ["a.bin"] if moment == "before the commit" else ["a.bin", "b.bin"]:
+            sent = await b.http.put(f"{files}/{name}", content=(ckpt / name).read_bytes())
+            assert sent.status_code == 200, sent.text
+        assert list(b.ssd.rglob("a.bin*")), "a file was not kept while the checkpoint lived"
+        before = await receive.load_shard(b.resources, shard_id)
+
+        await _delete_and_sweep(b, force=True)
+
+        refusals = []
+        if moment == "before the commit":
+            refusals.append(
+                await b.http.put(f"{files}/b.bin", content=(ckpt / "b.bin").read_bytes())
+            )
+        else:
+
+            async def stale(resources: Any, shard: int) -> receive.ShardInfo:
+                return before
+
+            monkeypatch.setattr(receive, "load_shard", stale)
+        refusals.append(await b.http.post(f"/v1/peers/shards/{shard_id}/commit"))
+        for refused in refusals:
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["error"]["code"] == "checkpoint_gone"
+            assert "deleted" in refused.json()["error"]["message"]
+        assert [p for p in b.ssd.rglob("*") if p.is_file()] == []
+        async with b.resources.sessionmaker() as session:
+            copies = list(await session.scalars(select(PeerCopy.state)))
+        assert "committed" not in copies, copies
