@@ -226,24 +226,29 @@ async def commit_copy(resources: Resources, shard_id: int) -> Path:
     await asyncio.to_thread(_finish, staging, final, info.files)
     node = resources.settings.server.node
     now = utcnow()
+    gone: str | None = None
     async with transaction(resources.sessionmaker) as session:
         state = await session.scalar(
             select(Checkpoint.state).where(Checkpoint.id == info.checkpoint_id)
         )
         if state is None or state in GONE:
-            # Deleted since the check above: the renamed copy goes too.
-            await asyncio.to_thread(shutil.rmtree, final, True)
-            await _refuse_if_gone(resources, info, state or CheckpointState.DELETED)
-        await upsert_copy(
-            session,
-            shard_id=shard_id,
-            checkpoint_id=info.checkpoint_id,
-            node=node,
-            path=str(final),
-            state=PeerCopyState.COMMITTED,
-            committed_at=now,
-            verified_at=now,
-        )
+            gone = state or CheckpointState.DELETED  # deleted since the check above
+        else:
+            await upsert_copy(
+                session,
+                shard_id=shard_id,
+                checkpoint_id=info.checkpoint_id,
+                node=node,
+                path=str(final),
+                state=PeerCopyState.COMMITTED,
+                committed_at=now,
+                verified_at=now,
+            )
+    if gone is not None:
+        # Not recorded: the copy renamed into place goes too (after the
+        # transaction: no catalog lock is held across disk work).
+        await asyncio.to_thread(shutil.rmtree, final, True)
+        await _refuse_if_gone(resources, info, gone)
     return final
 
 
