@@ -7,6 +7,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierckpt.client._files import fsync_file
+
 MiB = 1024 * 1024
 KiB = 1024
 
@@ -68,11 +70,7 @@ def make_dataset(root: Path, quick: bool) -> Dataset:
         # just now would otherwise land in the first scenarios' timings (the
         # catalog's fsyncs queue behind it), a start-up transient of the
         # benchmark, not anything the agent did.
-        fd = os.open(root / relative, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(root / relative)
     return Dataset(root=root, files=files)
 
 

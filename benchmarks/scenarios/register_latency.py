@@ -57,6 +57,7 @@ import httpx
 from devsupport import postgres as pg
 from devsupport.seaweed import SeaweedServer
 from tierckpt.client import CheckpointClient
+from tierckpt.client._files import fsync_file
 
 from ..context import VOLUME_SIZE_LIMIT_MB, Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
@@ -166,11 +167,7 @@ class _Load:
             # On disk before the measurement: their writeback would otherwise
             # land in the first round, a start-up transient (the load's later
             # checkpoints are hard links of these, they write no data).
-            fd = os.open(self.source / f"part-{n}.bin", os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(self.source / f"part-{n}.bin")
         self.registered = 0
         self.durable = 0
         self.errors: list[str] = []

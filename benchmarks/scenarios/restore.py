@@ -34,7 +34,6 @@ tierckpt's timing includes asking the agent for the restore plan
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.client import CheckpointClient, TransferOptions
+from tierckpt.client._files import fsync_file
 
 from ..context import REGION_PREFIX, BenchContext, log, settle
 from ..data import MiB, link_copy
@@ -66,14 +66,6 @@ def _sha256(path: Path) -> str:
         while chunk := handle.read(4 * MiB):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _durable_step(ctx: BenchContext) -> int:
@@ -152,7 +144,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         if _sha256(target) != sha:
             raise RuntimeError(f"{relative}: SHA-256 mismatch after download")
         if fsync:
-            _fsync(target)
+            fsync_file(target)
 
     def boto3_verified(dest: Path) -> None:
         for relative, _, sha in files:
