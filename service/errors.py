@@ -104,12 +104,24 @@ def is_catalog_outage(exc: BaseException) -> bool:
     return isinstance(exc, _DRIVER_OUTAGES)
 
 
+# Seconds a client is told to wait before retrying when the catalog failed it.
+CATALOG_RETRY_AFTER = "2"
+
+
 def catalog_unavailable() -> JSONResponse:
     return JSONResponse(
         error_body("catalog_unavailable", "the catalog database is unreachable; retry shortly"),
         status_code=503,
-        headers={"Retry-After": "2"},
+        headers={"Retry-After": CATALOG_RETRY_AFTER},
     )
+
+
+def catalog_failed(message: str) -> Unavailable:
+    """The same 503 (``catalog_unavailable``, Retry-After) with a message of
+    the caller's, for a failure it knows more about than an outage."""
+    error = Unavailable(message, code="catalog_unavailable")
+    error.headers = {"Retry-After": CATALOG_RETRY_AFTER}
+    return error
 
 
 def _internal_error() -> JSONResponse:

@@ -49,7 +49,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .. import lock_holder
 from ..db import create_sync_engine, create_writer_engine
-from ..errors import Conflict, Unavailable, is_catalog_outage
+from ..errors import Conflict, catalog_failed, is_catalog_outage
 from ..observability import metrics
 from ..resources import Resources
 from ..wal_sync import wal_sync_for
@@ -408,13 +408,13 @@ async def _answer_when_synced(
     try:
         await asyncio.gather(*syncs)
     except OSError as exc:
-        error = Unavailable(
-            f"the catalog could not write its log to disk ({exc}); "
-            "the registration is not known to be durable: register it again",
-            code="catalog_unavailable",
+        _fail(
+            batch,
+            catalog_failed(
+                f"the catalog could not write its log to disk ({exc}); "
+                "the registration is not known to be durable: register it again"
+            ),
         )
-        error.headers = {"Retry-After": "2"}
-        _fail(batch, error)
         return
     except Exception as exc:
         _fail(batch, exc)
