@@ -6,12 +6,12 @@ import asyncio
 import sqlite3
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, bindparam, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DisconnectionError, OperationalError
@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql.elements import BindParameter
 
 from .observability import metrics
 from .sqlite_driver import LOCK_WAIT, busy, connector
@@ -258,18 +259,23 @@ def create_read_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSes
     return async_sessionmaker(readers, expire_on_commit=False)
 
 
-def create_writer_engine(engine: AsyncEngine) -> AsyncEngine | None:
+def create_writer_engine(
+    engine: AsyncEngine, *, synchronous_commit: bool = True
+) -> AsyncEngine | None:
     """PostgreSQL: a small engine of its own for the registration writer,
     whose connections are pinged only after sitting idle (``_ping_when_idle``)
     rather than at every checkout as the main engine's (pool_pre_ping): the
     ping was a round trip of every registration, each waiting for a CPU on a
-    busy node. None on SQLite (the writer has its own engine there:
-    ``create_sync_engine``). Dispose of it with the batcher."""
+    busy node. Without ``synchronous_commit`` its commits return before the
+    server has flushed them (``[catalog] register_ack = "committed"``). None
+    on SQLite (the writer has its own engine there: ``create_sync_engine``).
+    Dispose of it with the batcher."""
     if engine.dialect.name != "postgresql":
         return None
-    writer = create_async_engine(
-        engine.url, pool_size=1, max_overflow=2, connect_args=_bounded_connect_args()
-    )
+    connect_args = _bounded_connect_args()
+    if not synchronous_commit:
+        connect_args["server_settings"] = {"synchronous_commit": "off"}
+    writer = create_async_engine(engine.url, pool_size=1, max_overflow=2, connect_args=connect_args)
     _ping_when_idle(writer, READ_PING_AFTER_IDLE)
     return writer
 
@@ -430,3 +436,15 @@ def dialect_name(session: AsyncSession) -> str:
     if bind is None:
         raise RuntimeError("session is not bound to a catalog engine")
     return bind.dialect.name
+
+
+def bound_values(columns: Iterable[str]) -> dict[str, BindParameter[Any]]:
+    """The SET values of an UPDATE built once and bound per call: each column
+    as the parameter ``v_<column>`` (a parameter may not take a column's own
+    name there); ``value_params`` binds them."""
+    return {column: bindparam(f"v_{column}") for column in columns}
+
+
+def value_params(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (column -> value) as the parameters of ``bound_values``."""
+    return {f"v_{column}": value for column, value in values.items()}

@@ -74,6 +74,12 @@ class WalSync:
         self._fsync()
         self._count_commits(1)
 
+    def sync_soon(self, finished: Done) -> None:
+        """After a COMMIT answered before its fsync (``[catalog] register_ack
+        = "committed"``): the fsync on this module's thread, with every
+        commit waiting there; ``finished`` hears how it went, on that thread."""
+        self._enqueue(finished)
+
     async def synced(self) -> None:
         """After a COMMIT, on the event loop: returns once the WAL is on disk."""
         loop = asyncio.get_running_loop()

@@ -10,10 +10,12 @@ iteration, which puts every submitted registration in the same batch for sure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import sqlite3
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -302,17 +304,42 @@ async def test_the_flag_for_the_worker_process_is_up_from_submit_until_the_lock_
         assert not flag.raised()
 
 
+ON_DISK = {"catalog": {"register_ack": "on_disk"}}
+
+
+@contextlib.contextmanager
+def _fsync_fails_once(database: Path) -> Iterator[threading.Event]:
+    """The next fsync of ``database``'s WAL fails with EIO (the event is set
+    then); later ones sync."""
+    wal = wal_sync_for(str(database))
+    real_fsync = wal._fsync
+    failed = threading.Event()
+
+    def fails_once() -> None:
+        if not failed.is_set():
+            failed.set()
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync()
+
+    wal._fsync = fails_once  # type: ignore[method-assign]
+    try:
+        yield failed
+    finally:
+        wal._fsync = real_fsync  # type: ignore[method-assign]
+
+
 async def test_a_batch_is_written_while_the_one_before_waits_for_its_fsync(
     tmp_path: Path,
 ) -> None:
-    """SQLite: the write lock is free once a batch has committed, before its
-    WAL fsync; the next batch is written then, and each batch is answered
-    only once its own fsync is done. Here the first fsync is held until the
-    second registration is in the catalog (a writer that waited for that
-    fsync would never get there) and answered."""
+    """SQLite, ``register_ack = "on_disk"``: the write lock is free once a
+    batch has committed, before its WAL fsync; the next batch is written
+    then, and each batch is answered only once its own fsync is done. Here
+    the first fsync is held until the second registration is in the catalog
+    (a writer that waited for that fsync would never get there) and
+    answered."""
     database = tmp_path / "catalog.db"
     async with running_agent(
-        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False
+        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False, **ON_DISK
     ) as agent:
         first = write_checkpoint(agent.ssd / "s1", {"a.bin": b"a"})
         second = write_checkpoint(agent.ssd / "s2", {"b.bin": b"b"})
@@ -343,29 +370,17 @@ async def test_a_batch_is_written_while_the_one_before_waits_for_its_fsync(
 
 
 async def test_a_failed_fsync_answers_503_and_registering_again_succeeds(tmp_path: Path) -> None:
-    """SQLite: the batch committed but its WAL could not be synced (EIO): the
-    registration is not known to be durable, so it is not answered 202; the
-    same registration again succeeds (idempotent) once the log syncs."""
+    """SQLite, ``register_ack = "on_disk"``: the batch committed but its WAL
+    could not be synced (EIO): the registration is not known to be on disk,
+    so it is not answered 202; the same registration again succeeds
+    (idempotent) once the log syncs."""
     database = tmp_path / "catalog.db"
     async with running_agent(
-        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False
+        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False, **ON_DISK
     ) as agent:
         ckpt = write_checkpoint(agent.ssd / "s1", {"a.bin": b"a"})
-        wal = wal_sync_for(str(database))
-        real_fsync = wal._fsync
-        failed = threading.Event()
-
-        def fails_once() -> None:
-            if not failed.is_set():
-                failed.set()
-                raise OSError(errno.EIO, "Input/output error")
-            real_fsync()
-
-        wal._fsync = fails_once  # type: ignore[method-assign]
-        try:
+        with _fsync_fails_once(database):
             answer = await agent.register("r", 1, ckpt)
-        finally:
-            wal._fsync = real_fsync  # type: ignore[method-assign]
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["code"] == "catalog_unavailable"
         assert "register it again" in answer.json()["error"]["message"]
@@ -375,3 +390,98 @@ async def test_a_failed_fsync_answers_503_and_registering_again_succeeds(tmp_pat
         again = await agent.register("r", 1, ckpt)
         assert again.status_code == 200, again.text
         assert again.json()["state"] == "registered"
+
+
+async def test_by_default_a_registration_is_answered_at_its_commit_and_synced_after(
+    tmp_path: Path,
+) -> None:
+    """SQLite, ``register_ack = "committed"`` (the default): the answer does
+    not wait for the WAL's fsync, which still follows at once. Here every
+    fsync is held: the registration is answered 202 and is in the catalog
+    meanwhile; once released, the held fsync completes and covers it."""
+    database = tmp_path / "catalog.db"
+    async with running_agent(
+        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False
+    ) as agent:
+        assert agent.settings.catalog.register_ack == "committed"
+        ckpt = write_checkpoint(agent.ssd / "s1", {"a.bin": b"a"})
+        wal = wal_sync_for(str(database))
+        real_fsync = wal._fsync
+        entered, release = threading.Event(), threading.Event()
+
+        def held() -> None:
+            entered.set()
+            release.wait(30)
+            real_fsync()
+
+        before = wal.fsyncs
+        wal._fsync = held  # type: ignore[method-assign]
+        try:
+            answer = await asyncio.wait_for(agent.register("r", 1, ckpt), 10)
+            assert answer.status_code == 202, answer.text
+            assert answer.json()["state"] == "registered"
+            # The fsync was started (and is held), not skipped.
+            assert await asyncio.to_thread(entered.wait, 10)
+            steps = sqlite3.connect(database).execute("SELECT step FROM checkpoints").fetchall()
+            assert steps == [(1,)]
+        finally:
+            release.set()
+            wal._fsync = real_fsync  # type: ignore[method-assign]
+        for _ in range(100):
+            if wal.fsyncs > before:
+                break
+            await asyncio.sleep(0.05)
+        assert wal.fsyncs > before
+
+
+async def test_a_failed_fsync_after_the_answer_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLite, the default: an fsync that fails after the registration was
+    answered cannot fail it any more; it is logged as an error (the
+    registration is committed, survives a kill -9, and not a power loss)."""
+    database = tmp_path / "catalog.db"
+    async with running_agent(
+        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False
+    ) as agent:
+        ckpt = write_checkpoint(agent.ssd / "s1", {"a.bin": b"a"})
+        with (
+            _fsync_fails_once(database) as failed,
+            caplog.at_level("ERROR", logger="tierckpt.register"),
+        ):
+            answer = await agent.register("r", 1, ckpt)
+            assert answer.status_code == 202, answer.text
+            assert await asyncio.to_thread(failed.wait, 10)
+            for _ in range(100):
+                if "could not write its log to disk" in caplog.text:
+                    break
+                await asyncio.sleep(0.05)
+        assert "could not write its log to disk" in caplog.text
+        assert "Input/output error" in caplog.text
+
+
+@pytest.mark.parametrize("ack", ["committed", "on_disk"])
+async def test_the_postgresql_writer_flushes_its_commits_as_configured(
+    postgres_url: str, tmp_path: Path, ack: str
+) -> None:
+    """PostgreSQL: the registration writer's connections run with
+    ``synchronous_commit`` off by default (the commit returns before the
+    server's WAL flush), on with ``register_ack = "on_disk"``; the rest of
+    the agent's connections keep the server's setting."""
+    async with running_agent(
+        postgres_url, tmp_path, start_worker=False, catalog={"register_ack": ack}
+    ) as agent:
+        batcher = agent.process.registrations
+        assert batcher._writer_engine is not None
+        async with batcher._writer_engine.connect() as conn:
+            writer = (await conn.exec_driver_sql("SHOW synchronous_commit")).scalar()
+        async with agent.resources.engine.connect() as conn:
+            other = (await conn.exec_driver_sql("SHOW synchronous_commit")).scalar()
+        assert writer == ("off" if ack == "committed" else "on")
+        assert other == "on"
+        ckpt = write_checkpoint(agent.ssd / "s1", {"a.bin": b"a"})
+        answer = await agent.register(f"r-{ack}", 1, ckpt)
+        assert answer.status_code == 202, answer.text
+        detail = await agent.http.get(f"/v1/runs/r-{ack}/checkpoints/1")
+        assert detail.status_code == 200, detail.text
+        assert detail.json()["state"] == "registered"
