@@ -23,6 +23,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_for(url: str, predicate: Any, timeout: float = 120) -> dict[str, Any]:
+    """GET ``url`` (a JSON answer) until ``predicate`` holds for it; that answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer: dict[str, Any] = httpx.get(url, timeout=5).json()
+        if predicate(answer):
+            return answer
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting on {url}: {answer}")
+        time.sleep(0.05)
+
+
 def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

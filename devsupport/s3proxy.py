@@ -8,7 +8,11 @@ Requests pass through untouched until a test asks for trouble:
 - ``delay(seconds, for_seconds=…)`` forwards, but only after a pause (a
   slow store);
 - ``only=`` on either narrows the fault to the requests it accepts (say,
-  one S3 operation that a bucket policy refuses), the rest pass.
+  one S3 operation that a bucket policy refuses), the rest pass;
+- ``hold(only)`` stops the first request it accepts twice: on arrival,
+  until the test lets it go on to the store, and once the store has
+  answered, until the test releases the answer. The write has landed, its
+  client does not know yet: the moment to kill that client.
 
 Every request is logged (time, method, path, query, x-amz-* headers,
 status, whether it was a fault), so a test can count attempts and see how they were spaced: retries
@@ -23,14 +27,14 @@ import io
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
 from .loopthread import LoopbackServerThread
 
-__all__ = ["Fault", "S3FaultProxy", "Seen"]
+__all__ = ["Fault", "Hold", "S3FaultProxy", "Seen"]
 
 # Hop-by-hop and framing headers are the proxy's own business on each side.
 _SKIP_REQUEST = {"host", "content-length", "transfer-encoding", "connection", "expect"}
@@ -69,12 +73,29 @@ class Fault:
         return self.remaining is None or self.remaining > 0
 
 
+# The longest a held request or answer waits for the test.
+HOLD_SECONDS = 120
+
+
+@dataclass
+class Hold:
+    """One request stopped by ``S3FaultProxy.hold`` (events, from any thread)."""
+
+    only: Callable[[web.Request], bool]
+    arrived: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)  # set by the test: forward
+    landed: threading.Event = field(default_factory=threading.Event)  # the store answered
+    release: threading.Event = field(default_factory=threading.Event)  # set by the test
+    taken: bool = False
+
+
 class S3FaultProxy(LoopbackServerThread):
     def __init__(self, target_url: str, host: str = "127.0.0.1") -> None:
         super().__init__(host)
         self.target = target_url.rstrip("/")
         self.log: list[Seen] = []
         self._fault: Fault | None = None
+        self._hold: Hold | None = None
         self._lock = threading.Lock()
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -113,6 +134,14 @@ class S3FaultProxy(LoopbackServerThread):
                 delay=seconds,
                 until=None if for_seconds is None else time.monotonic() + for_seconds,
             )
+
+    def hold(self, only: Callable[[web.Request], bool]) -> Hold:
+        """Stop the next request ``only`` accepts before the store, until
+        ``go``, and its answer after the store, until ``release``."""
+        hold = Hold(only)
+        with self._lock:
+            self._hold = hold
+        return hold
 
     def clear(self) -> None:
         with self._lock:
@@ -173,8 +202,20 @@ class S3FaultProxy(LoopbackServerThread):
             )
         )
 
+    def _take_hold(self, request: web.Request) -> Hold | None:
+        with self._lock:
+            hold = self._hold
+            if hold is None or hold.taken or not hold.only(request):
+                return None
+            hold.taken = True
+            return hold
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        held = self._take_hold(request)
+        if held is not None:
+            held.arrived.set()
+            await asyncio.to_thread(held.go.wait, HOLD_SECONDS)
         fault = self._take_fault(request)
         if fault is not None and fault.status:
             self._record(request, fault.status, fault=True)
@@ -199,6 +240,10 @@ class S3FaultProxy(LoopbackServerThread):
             allow_redirects=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
         ) as upstream:
+            if held is not None:
+                await upstream.read()
+                held.landed.set()
+                await asyncio.to_thread(held.release.wait, HOLD_SECONDS)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
                 if name.lower() not in _SKIP_RESPONSE:

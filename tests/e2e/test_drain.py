@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from devsupport.agent import write_checkpoint
-from devsupport.processes import ServeProcess, free_port, write_config
+from devsupport.processes import ServeProcess, free_port, wait_for, write_config
 from devsupport.seaweed import SeaweedServer
 from devsupport.tcpproxy import TcpProxy
 from tierckpt.client import CheckpointClient
@@ -71,17 +71,6 @@ def sha256_file(path: Path) -> str:
 
 def sha256_object(s3_client: Any, bucket: str, key: str) -> str:
     return hashlib.sha256(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()).hexdigest()
-
-
-def wait_for(url: str, predicate: Any, timeout: float = 120) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        answer: dict[str, Any] = httpx.get(url, timeout=5).json()
-        if predicate(answer):
-            return answer
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting on {url}: {answer}")
-        time.sleep(0.05)
 
 
 def start_hung_upload(agent: ServeProcess, proxy: TcpProxy, ckpt: Path) -> None:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from devsupport.agent import write_checkpoint
-from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.processes import ServeProcess, cli, free_port, wait_for, write_config
 from devsupport.seaweed import SeaweedServer, boto3_client, overwrite_object
 
 pytestmark = pytest.mark.e2e
@@ -62,17 +62,6 @@ def gone(pid: int, timeout: float = 30) -> bool:
             return True
         time.sleep(0.02)
     return False
-
-
-def wait_for(url: str, predicate: Any, timeout: float = 120) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        answer: dict[str, Any] = httpx.get(url, timeout=5).json()
-        if predicate(answer):
-            return answer
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting on {url}: {answer}")
-        time.sleep(0.05)
 
 
 @pytest.fixture
