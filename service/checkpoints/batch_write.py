@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection
 from ..errors import ApiError, Conflict
 from ..jobs import kinds, queue
 from ..models import (
+    ENDED_STATES,
     PRIORITY,
     CheckpointState,
     JobState,
@@ -269,7 +270,7 @@ def _decide(plan: Planned, index: int, item: Registration) -> None:
             plan.priority = "urgent"
             plan.promote = True
         return
-    if plan.state in (CheckpointState.FAILED, CheckpointState.DELETED):
+    if plan.state in ENDED_STATES:
         raise Conflict(
             f"{request.run} step {request.step} is {plan.state}"
             f"{': ' + plan.error if plan.error else ''}; register a new step"

@@ -9,34 +9,48 @@ transaction. Errors are cut to what the column is meant to hold.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Update, func, select, update
+from sqlalchemy import Table, Update, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..models import Checkpoint, CheckpointState, Replica, ReplicaState
+from ..db import bound_values, value_params
+from ..models import ENDED_STATES, Checkpoint, CheckpointState, Replica, ReplicaState
 
 ERROR_LENGTH = 4000
 # Checkpoints whose replicas still count: neither failed nor deleted.
-_GONE = (CheckpointState.FAILED, CheckpointState.DELETED)
-LIVE = tuple(state for state in CheckpointState if state not in _GONE)
+LIVE = tuple(state for state in CheckpointState if state not in ENDED_STATES)
 
 
 def _one(checkpoint_id: int, region: str) -> Update:
     return update(Replica).where(Replica.checkpoint_id == checkpoint_id, Replica.region == region)
 
 
+# Built once, bound per call (in the worker's transactions).
+_NEEDING_COPY = select(Replica.region).where(
+    Replica.checkpoint_id == bindparam("b_id"),
+    Replica.state.in_((ReplicaState.PENDING.value, ReplicaState.CORRUPT.value)),
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _set_of_one(columns: tuple[str, ...]) -> Update:
+    """The UPDATE of one replica (``b_id``, ``b_region``) setting ``columns``
+    (bound as ``v_<column>``)."""
+    table = cast(Table, Replica.__table__)
+    return (
+        update(table)
+        .where(table.c.checkpoint_id == bindparam("b_id"), table.c.region == bindparam("b_region"))
+        .values(bound_values(columns))
+    )
+
+
 async def regions_needing_copy(session: AsyncSession, checkpoint_id: int) -> list[str]:
     """Regions that do not hold the checkpoint yet (pending) or hold a bad copy (corrupt)."""
-    rows = await session.scalars(
-        select(Replica.region).where(
-            Replica.checkpoint_id == checkpoint_id,
-            Replica.state.in_((ReplicaState.PENDING, ReplicaState.CORRUPT)),
-        )
-    )
-    return list(rows)
+    return list(await session.scalars(_NEEDING_COPY, {"b_id": checkpoint_id}))
 
 
 async def note_error(session: AsyncSession, checkpoint_id: int, region: str, error: str) -> None:
@@ -64,7 +78,10 @@ async def mark_committed(
     }
     if verified is not None:
         values["verified_at"] = now if verified else None
-    await session.execute(_one(checkpoint_id, region).values(**values))
+    await session.execute(
+        _set_of_one(tuple(sorted(values))),
+        {"b_id": checkpoint_id, "b_region": region, **value_params(values)},
+    )
 
 
 async def mark_verified(

@@ -15,6 +15,7 @@ from ..draining import DrainState
 from ..errors import BadInput, Conflict, NotFound
 from ..jobs.kinds import enqueue_delete, enqueue_verify
 from ..models import (
+    ENDED_STATES,
     PRIORITY,
     Checkpoint,
     CheckpointState,
@@ -290,7 +291,7 @@ class CheckpointService:
     async def verify(self, run: str, step: int) -> CheckpointOut:
         """Queue a re-read and re-hash of every copy of the checkpoint."""
         checkpoint = await self._checkpoint(run, step)
-        if checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED):
+        if checkpoint.state in ENDED_STATES:
             raise Conflict(
                 f"{run} step {step} is {checkpoint.state}; nothing to verify", code="not_verifiable"
             )

@@ -12,22 +12,32 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Protocol
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..jobs import kinds
-from ..models import Checkpoint, CheckpointState, Replica, ReplicaState, utcnow
+from ..models import ENDED_STATES, Checkpoint, CheckpointState, Replica, ReplicaState, utcnow
 from . import replicas
 
 # States nothing brings back: failed (never became valid) and deleted.
-FINAL = (CheckpointState.FAILED, CheckpointState.DELETED)
+FINAL = ENDED_STATES
+
+
+# Built once, bound per call (in the worker's every transaction).
+_LOCK = select(Checkpoint).where(Checkpoint.id == bindparam("b_id")).with_for_update()
+_COMMITTED = (
+    select(func.count())
+    .select_from(Replica)
+    .where(
+        Replica.checkpoint_id == bindparam("b_id"),
+        Replica.state == ReplicaState.COMMITTED.value,
+    )
+)
 
 
 async def lock_checkpoint(session: AsyncSession, checkpoint_id: int) -> Checkpoint | None:
     """Serialise every state change of one checkpoint across agents."""
-    return await session.scalar(
-        select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()
-    )
+    return await session.scalar(_LOCK, {"b_id": checkpoint_id})
 
 
 async def refresh_state(
@@ -37,14 +47,7 @@ async def refresh_state(
     if checkpoint.state in FINAL:
         return False
     first_valid = False
-    committed = (
-        await session.scalar(
-            select(func.count())
-            .select_from(Replica)
-            .where(Replica.checkpoint_id == checkpoint.id, Replica.state == ReplicaState.COMMITTED)
-        )
-        or 0
-    )
+    committed = await session.scalar(_COMMITTED, {"b_id": checkpoint.id}) or 0
     if committed >= min_regions:
         if checkpoint.durable_at is None:
             checkpoint.durable_at = utcnow()

@@ -20,12 +20,20 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints import replicas
 from ..config import WorkerSettings
-from ..models import PRIORITY, Checkpoint, CheckpointState, Job, JobKind, Shard, priority_of
+from ..models import (
+    ENDED_STATES,
+    PRIORITY,
+    Checkpoint,
+    Job,
+    JobKind,
+    Shard,
+    priority_of,
+)
 from . import queue
 
 # Effectively forever: with backoff capped at [worker].backoff_max, a region
@@ -254,7 +262,7 @@ async def enqueue_replication(
 ) -> int:
     """Queue a copy into every region of ``regions`` (those this agent can
     write) whose replica is pending or corrupt; how many were added."""
-    if checkpoint.state in (CheckpointState.FAILED, CheckpointState.DELETED):
+    if checkpoint.state in ENDED_STATES:
         return 0
     filling = await queue.regions_being_filled(session, checkpoint.id)
     added = 0
@@ -314,16 +322,20 @@ def deleting(checkpoint_ids: list[int]) -> Any:
     return select(Job.checkpoint_id).where(Job.dedupe_key.in_(keys))
 
 
+# The nodes holding a shard of a checkpoint, each with its first shard.
+_NODES_OF = (
+    select(Shard.node, func.min(Shard.id))
+    .where(Shard.checkpoint_id == bindparam("b_id"))
+    .group_by(Shard.node)
+)
+
+
 async def enqueue_retention(session: AsyncSession, checkpoint: Checkpoint) -> None:
     """Apply the run's retention now that ``checkpoint`` is durable, rather
     than at the next periodic sweep: one job per node holding a shard of it,
     since each node evicts its own T0 copies (the regions' deletions are
     queued by whichever runs first; the others find them queued)."""
-    nodes = await session.execute(
-        select(Shard.node, func.min(Shard.id))
-        .where(Shard.checkpoint_id == checkpoint.id)
-        .group_by(Shard.node)
-    )
+    nodes = await session.execute(_NODES_OF, {"b_id": checkpoint.id})
     for node, shard_id in nodes:
         await queue.enqueue(
             session,

@@ -15,17 +15,28 @@ it is enqueued is in ``kinds``.
 
 from __future__ import annotations
 
+import functools
 import random
 import secrets
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Table,
+    Update,
+    and_,
+    bindparam,
+    func,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..db import dialect_name
+from ..db import bound_values, dialect_name, value_params
 from ..models import Job, JobKind, JobState, Shard, utcnow
 
 
@@ -70,9 +81,21 @@ def job_values(
     }
 
 
+JOBS = cast(Table, Job.__table__)
+
+
 def _insert_ignoring_active(dialect_name_: str) -> Any:
     dialect = postgresql if dialect_name_ == "postgresql" else sqlite
-    return dialect.insert(Job).on_conflict_do_nothing(index_elements=["dedupe_key"])
+    return dialect.insert(JOBS).on_conflict_do_nothing(index_elements=["dedupe_key"])
+
+
+# The statements of the worker's every transaction, built once and bound per
+# call: building an ORM statement (and its cache key, from the values it
+# embeds) took longer than SQLite ran it, inside transactions that hold the
+# catalog's write lock, which a registration may be waiting for.
+_ENQUEUE = {
+    name: _insert_ignoring_active(name).returning(JOBS.c.id) for name in ("postgresql", "sqlite")
+}
 
 
 async def enqueue(
@@ -110,8 +133,7 @@ async def enqueue(
 
 async def enqueue_row(session: AsyncSession, values: dict[str, Any]) -> int | None:
     """``enqueue`` of a row from ``job_values``."""
-    statement = _insert_ignoring_active(dialect_name(session)).values(**values).returning(Job.id)
-    result = await session.execute(statement)
+    result = await session.execute(_ENQUEUE[dialect_name(session)], values)
     job_id: int | None = result.scalar_one_or_none()
     return job_id
 
@@ -121,7 +143,7 @@ async def enqueue_rows(session: AsyncSession, rows: list[dict[str, Any]]) -> int
     many were added (those already active are skipped)."""
     if not rows:
         return 0
-    statement = _insert_ignoring_active(dialect_name(session)).values(rows).returning(Job.id)
+    statement = _insert_ignoring_active(dialect_name(session)).values(rows).returning(JOBS.c.id)
     return len((await session.execute(statement)).all())
 
 
@@ -221,14 +243,27 @@ async def claim_queued(
     in the same task, see ``worker.run_next``), or None when it is not
     runnable now (running elsewhere, over, or waiting for its backoff)."""
     now = utcnow()
-    statement = (
-        update(Job)
-        .where(Job.id == job_id, Job.state == JobState.QUEUED, Job.run_after <= now)
-        .values(**_taken(owner, lease_seconds, now))
-        .returning(Job)
-        .execution_options(synchronize_session=False)
+    taken = _taken(owner, lease_seconds, now)
+    params = value_params({column: taken[column] for column in _TAKEN_BOUND})
+    return (
+        await session.scalars(_CLAIM_QUEUED, {"b_id": job_id, "b_now": now, **params})
+    ).one_or_none()
+
+
+# claim_queued's statement, built once: _taken's columns bound, but the
+# attempts the database counts.
+_TAKEN_BOUND = ("state", "lease_token", "lease_owner", "lease_expires_at", "updated_at")
+_CLAIM_QUEUED = (
+    update(Job)
+    .where(
+        Job.id == bindparam("b_id"),
+        Job.state == JobState.QUEUED.value,
+        Job.run_after <= bindparam("b_now"),
     )
-    return (await session.scalars(statement)).one_or_none()
+    .values({**bound_values(_TAKEN_BOUND), "attempts": Job.attempts + 1})
+    .returning(Job)
+    .execution_options(synchronize_session=False)
+)
 
 
 async def extend_leases(session: AsyncSession, tokens: list[str], lease_seconds: float) -> int:
@@ -243,12 +278,30 @@ async def extend_leases(session: AsyncSession, tokens: list[str], lease_seconds:
     return result.rowcount or 0  # type: ignore[attr-defined]
 
 
+@functools.lru_cache(maxsize=32)
+def _transition_statement(columns: tuple[str, ...]) -> Update:
+    """The UPDATE of a leased job setting ``columns`` (bound as ``v_<column>``)."""
+    return (
+        update(JOBS)
+        .where(
+            JOBS.c.id == bindparam("b_id"),
+            JOBS.c.lease_token == bindparam("b_token"),
+            JOBS.c.state == JobState.RUNNING.value,
+        )
+        .values(bound_values(columns))
+    )
+
+
 async def _transition(session: AsyncSession, job: Job, **values: Any) -> None:
+    values["updated_at"] = utcnow()
+    bound = {k: v for k, v in values.items() if not isinstance(v, ColumnElement)}
+    # A value computed by the database (release's attempts - 1) stays in the SQL.
+    computed = {k: v for k, v in values.items() if k not in bound}
+    statement = _transition_statement(tuple(sorted(bound)))
+    if computed:
+        statement = statement.values(computed)
     result = await session.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.lease_token == job.lease_token, Job.state == JobState.RUNNING)
-        .values(updated_at=utcnow(), **values)
-        .execution_options(synchronize_session=False)
+        statement, {"b_id": job.id, "b_token": job.lease_token, **value_params(bound)}
     )
     if not result.rowcount:  # type: ignore[attr-defined]
         raise LeaseLost(f"job {job.id} ({job.kind}) was taken over by another worker")
@@ -379,17 +432,16 @@ async def expire_unclaimed(session: AsyncSession, kind: str, older_than: datetim
 # -- moves between kinds ------------------------------------------------------
 
 
+_UPLOADS_INTO_REGIONS = select(Job).where(
+    Job.checkpoint_id == bindparam("b_id"),
+    Job.kind.in_((JobKind.UPLOAD.value, JobKind.COMMIT.value)),
+    Job.state.in_((JobState.QUEUED.value, JobState.RUNNING.value)),
+)
+
+
 async def _uploads_into_regions(session: AsyncSession, checkpoint_id: int) -> list[Job]:
     """Active upload/commit jobs of a checkpoint (primary, fan-out or T0 repair)."""
-    return list(
-        await session.scalars(
-            select(Job).where(
-                Job.checkpoint_id == checkpoint_id,
-                Job.kind.in_((JobKind.UPLOAD, JobKind.COMMIT)),
-                Job.state.in_((JobState.QUEUED, JobState.RUNNING)),
-            )
-        )
-    )
+    return list(await session.scalars(_UPLOADS_INTO_REGIONS, {"b_id": checkpoint_id}))
 
 
 async def regions_being_filled(session: AsyncSession, checkpoint_id: int) -> set[str]:

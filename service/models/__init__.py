@@ -2,7 +2,7 @@
 
 from .agent import AgentRow
 from .base import Base, utcnow
-from .checkpoint import VALID_STATES, Checkpoint, CheckpointState
+from .checkpoint import ENDED_STATES, VALID_STATES, Checkpoint, CheckpointState
 from .file import File
 from .job import PRIORITY, Job, JobKind, JobState, priority_of
 from .peer_copy import PeerCopy, PeerCopyState
@@ -11,6 +11,7 @@ from .run import Run
 from .shard import Shard, ShardState
 
 __all__ = [
+    "ENDED_STATES",
     "PRIORITY",
     "VALID_STATES",
     "AgentRow",

@@ -38,6 +38,9 @@ class CheckpointState(enum.StrEnum):
 # States in which a checkpoint is a candidate for `latest` (validity is then
 # decided by its committed, non-corrupt replicas).
 VALID_STATES = (CheckpointState.DURABLE, CheckpointState.REPLICATED)
+# States a checkpoint never leaves: it failed (never became valid) or was
+# deleted. Nothing is uploaded, verified, replicated or copied for it any more.
+ENDED_STATES = (CheckpointState.FAILED, CheckpointState.DELETED)
 
 
 class Checkpoint(Base):

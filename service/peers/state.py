@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from ..models import CheckpointState, PeerCopyState
+from ..models import ENDED_STATES, PeerCopyState
 
 # A checkpoint in one of these states keeps no peer copy: none is received,
 # and the peer pass evicts any a node holds.
-GONE = (CheckpointState.FAILED, CheckpointState.DELETED)
+GONE = ENDED_STATES
 
 
 class CopyValues(Protocol):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ..checkpoints import replicas
@@ -46,6 +46,26 @@ from .pipeline import Destination, Outcome, UploadedFile, UploadLimits, upload_f
 from .source import SourceChanged, SourceFile
 
 log = logging.getLogger("tierckpt.upload")
+
+
+# The upload's statements of the catalog, built once and bound per call (see
+# jobs/queue.py): a checkpoint's uploaded shards, counted; a shard's files;
+# what is known of their hashes; the shard marked uploaded.
+_FILES_OF_SHARD = select(File).where(File.shard_id == bindparam("b_id"))
+_HASHES_OF_SHARD = select(File.id, File.path, File.sha256, File.chunk_sha256).where(
+    File.shard_id == bindparam("b_id")
+)
+_SHARD_UPLOADED = (
+    update(Shard)
+    .where(Shard.id == bindparam("b_id"), Shard.state != ShardState.UPLOADED.value)
+    .values(state=ShardState.UPLOADED.value, uploaded_at=bindparam("b_now"), error=None)
+    .execution_options(synchronize_session=False)
+)
+_UPLOADED_SHARDS = (
+    select(func.count())
+    .select_from(Shard)
+    .where(Shard.checkpoint_id == bindparam("b_id"), Shard.state == ShardState.UPLOADED.value)
+)
 
 
 async def locked(session: AsyncSession, checkpoint_id: int) -> Checkpoint:
@@ -121,7 +141,7 @@ class UploadJobs:
                 return None
             run = await session.get_one(Run, checkpoint.run_id)
             shard = await session.get_one(Shard, job.shard_id)
-            files = list(await session.scalars(select(File).where(File.shard_id == shard.id)))
+            files = list(await session.scalars(_FILES_OF_SHARD, {"b_id": shard.id}))
             base = Path(shard.path)
             if checkpoint.state == CheckpointState.DELETED:
                 # An earlier run of this job may have landed objects after the
@@ -194,11 +214,7 @@ class UploadJobs:
             except HashDisagrees as exc:
                 raise PermanentJobError(str(exc)) from exc
             await queue.complete(session, job)
-            await session.execute(
-                update(Shard)
-                .where(Shard.id == job.shard_id, Shard.state != ShardState.UPLOADED)
-                .values(state=ShardState.UPLOADED, uploaded_at=utcnow(), error=None)
-            )
+            await session.execute(_SHARD_UPLOADED, {"b_id": job.shard_id, "b_now": utcnow()})
             commit_id = await self._enqueue_commit_when_complete(session, checkpoint, job.region)
             if commit_id is None or next_jobs is None:
                 return False, None
@@ -337,11 +353,7 @@ class UploadJobs:
     ) -> int | None:
         """The commit job's id when this was the checkpoint's last shard
         (None otherwise, or when it is queued already)."""
-        uploaded = await session.scalar(
-            select(func.count())
-            .select_from(Shard)
-            .where(Shard.checkpoint_id == checkpoint.id, Shard.state == ShardState.UPLOADED)
-        )
+        uploaded = await session.scalar(_UPLOADED_SHARDS, {"b_id": checkpoint.id})
         if uploaded == checkpoint.world_size:
             return await kinds.enqueue_commit(
                 session,
@@ -494,9 +506,7 @@ async def _record_hashes(
     executemany): the transaction holds the catalog's write lock (SQLite),
     which a statement per file would hold for as many round trips as the
     shard has files."""
-    files = await session.execute(
-        select(File.id, File.path, File.sha256, File.chunk_sha256).where(File.shard_id == shard_id)
-    )
+    files = await session.execute(_HASHES_OF_SHARD, {"b_id": shard_id})
     missing = []
     for file_id, path, known, known_chunks in files:
         upload = uploaded[path]
