@@ -18,7 +18,8 @@ load with the worker in its own process (``[worker] separate_process =
 "yes"``, the default with PostgreSQL) and in the agent's (``"no"``, the
 default with SQLite), side by side. Both on SQLite and on PostgreSQL. The machine's own floor is
 measured during each loaded round too: an fsync of 4 KiB on the catalog's
-disk (every registration commits one) and how late a 1 ms sleep wakes up
+disk (every registration's commit is flushed by one, after its answer by
+default: ``[catalog] register_ack = "committed"``) and how late a 1 ms sleep wakes up
 (the wait for a CPU). Client-observed times, and the agent's own time for the
 same requests (each answer's ``Server-Timing`` header: from the request's
 arrival in the agent's application to the answer's headers); the phases of
@@ -29,7 +30,8 @@ segment of the agent's memory tier reserved, written and registered
 (``TorchCheckpointer(staging="memory")``). That register is recorded in the
 segment and reaches the catalog after the agent has written T0, so it waits
 on neither the catalog's lock nor its fsync; the register above (files
-already on T0, ``staging="disk"``, orchestrators) waits on both.
+already on T0, ``staging="disk"``, orchestrators) waits on the lock and its
+statements (on the fsync too with ``register_ack = "on_disk"``).
 
 **Idle, by size**: 1 MB against a sparse 10 GiB file, on an agent whose
 worker is off. Register only lists the files (size, mtime) and writes
@@ -626,9 +628,10 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "registration, and the thread holding it runs at the agent's niceness "
         f"({_lock_holder_priority()}).",
         "machine floor: probed in the benchmark's process during the loaded rounds, every "
-        "50 ms: fdatasync of a 4 KiB write on the catalog's disk (each registration commits "
-        "with one; the other helpers of this machine share the disk and the 2 cores) and how "
-        "late a 1 ms sleep wakes up. A register p99 below the fsync p99 is out of reach.",
+        "50 ms: fdatasync of a 4 KiB write on the catalog's disk (each registration's commit "
+        "is flushed by one, after the answer by default: [catalog] register_ack = "
+        '"committed"; the other helpers of this machine share the disk and the 2 cores) and '
+        "how late a 1 ms sleep wakes up.",
         "memory segment: in each round, after the register stream, the same count of "
         "sequential reserve, write, register of a segment and `latest` of a "
         f"{TINY_BYTES}-byte checkpoint in the agent's memory tier (what "
@@ -636,15 +639,17 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "recorded in the segment, not the catalog: the agent writes it to T0 and registers "
         "it there afterwards, so those are uploaded too and add to the load. The register "
         "stream above is the path of files already on T0 (CheckpointClient.register, "
-        'staging="disk", orchestrators): it commits to the catalog and fsyncs.',
+        'staging="disk", orchestrators): it commits to the catalog, answered at the commit '
+        "(the default; its fsync follows).",
         "`agent's own`: the median over rounds of the agent's request-log duration for the "
         "same requests (the rest of the client figure is HTTP and the client's own scan).",
         "agent's phases (its request log, each phase's own percentile): scan (the files' "
         "listing), queued (behind an earlier batch of the group commit), gate (SQLite: the "
         "in-process write gate), lock (SQLite: the database's write lock, held by a background "
         "transaction or the worker process; PostgreSQL: a pooled connection), write (the "
-        "statements), commit (PostgreSQL: with its WAL flush; SQLite: the COMMIT, which "
-        "releases the lock), sync (SQLite: the fsync of the WAL after it).",
+        "statements), commit (SQLite: the COMMIT, which releases the lock; PostgreSQL: in "
+        "write, its WAL flush after the answer by default), sync (SQLite, only with "
+        'register_ack = "on_disk": the fsync of the WAL the answer waits for).',
         f"load process: {json.dumps(load_totals)}",
     ]
     return rows, notes, {"count": count, "rounds": results, "load": load_totals}
