@@ -33,10 +33,25 @@ class Agent:
     settings: Settings
     process: AgentProcess  # worker, registration writer, periodic passes
 
-    async def register(self, run: str, step: int, path: Path, **extra: Any) -> httpx.Response:
-        return await self.http.post(
+    async def register(
+        self, run: str, step: int, path: Path, *, settle: bool = True, **extra: Any
+    ) -> httpx.Response:
+        """POST the registration; with ``settle`` (tests that go on to other
+        features), a 202 answered from the agent's inbox also waits until the
+        catalog holds it, so that what they read next does not race its
+        write. ``settle=False``: the answer alone, as a trainer sees it."""
+        answer = await self.http.post(
             "/v1/checkpoints", json={"run": run, "step": step, "path": str(path), **extra}
         )
+        if settle and answer.status_code == 202:
+            await self.in_catalog(run)
+        return answer
+
+    async def in_catalog(self, run: str) -> None:
+        """Wait until the run's registrations answered from the agent's inbox
+        are in the catalog (for a test that reads the catalog itself)."""
+        inbox = self.process.inbox
+        assert inbox is None or await inbox.settled(run, timeout=30)
 
     async def wait_state(
         self,
@@ -69,6 +84,12 @@ def s3_region(name: str, endpoint_url: str, bucket: str, prefix: str = "prod") -
 
 def posix_region(name: str, root: Path) -> dict[str, Any]:
     return {"name": name, "kind": "posix", "root": str(root)}
+
+
+# `catalog=AT_COMMIT`: registrations answered at their commit, for tests of the
+# group commit's own path (by default a new checkpoint is answered from the
+# agent's inbox and committed behind the answer: checkpoints/inbox.py).
+AT_COMMIT = {"register_ack": "committed"}
 
 
 def make_settings(

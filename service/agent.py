@@ -4,6 +4,10 @@
 
 * the registration writer (group commit, checkpoints/batching.py), always:
   routes reach it through a dependency (deps.py);
+* the registration inbox (checkpoints/inbox.py) with ``[catalog] register_ack
+  = "recorded"``: registrations answered once recorded on the node, written
+  to the catalog by the writer behind the answer; records an earlier life
+  left are taken up at ``start()``;
 * the worker with a handler for every job kind (jobs/kinds.py), unless the
   agent runs without one (``[worker] enabled = false``, or a test);
 * the periodic passes: the scrubber (``[scrub]``) and the retention sweeper;
@@ -39,6 +43,7 @@ from typing import Any, Protocol
 
 from .background import background
 from .checkpoints.batching import RegistrationBatcher
+from .checkpoints.inbox import RegistrationInbox, inbox_directory
 from .config import Settings
 from .draining import DrainState
 from .jobs import queue
@@ -93,6 +98,10 @@ class AgentProcess:
             self.memory = MemoryTier(resources, registrations, self.drain)
             # Uploads read a staged checkpoint from memory while T0 is written.
             resources.open_in_memory = self.memory.open_file
+        # Registrations answered once recorded on the node (checkpoints/inbox.py).
+        self.inbox: RegistrationInbox | None = None
+        if resources.settings.catalog.register_ack == "recorded":
+            self.inbox = RegistrationInbox(resources, registrations, inbox_directory(resources))
         # Seconds the worker's running jobs get at close (None: shutdown_timeout).
         self._worker_grace: float | None = None
 
@@ -127,6 +136,18 @@ class AgentProcess:
         return self.worker.samples if isinstance(self.worker, WorkerChild) else []
 
     def start(self) -> None:
+        if self.inbox is not None:
+            try:
+                self.inbox.recover()
+            except OSError as exc:
+                # Registrations are then answered at their commit: slower, none lost.
+                log.error(
+                    "registration inbox off: %s cannot be used (%s); registrations are "
+                    "answered once committed",
+                    self.inbox.directory,
+                    exc,
+                )
+                self.inbox = None
         components: list[tuple[str, SideTask]] = []
         if self.worker is not None:
             components.append(("worker", self.worker))
@@ -186,8 +207,10 @@ class AgentProcess:
         while worker.alive and not self.drain.aborted:
             try:
                 left = await self._node_work_left(worker.node)
-                # Checkpoints staged in memory are this node's work too.
+                # Checkpoints staged in memory, or recorded and not yet in the
+                # catalog, are this node's work too.
                 left += len(self.memory.arena.staged()) if self.memory is not None else 0
+                left += len(self.inbox) if self.inbox is not None else 0
             except Exception as exc:  # the catalog is down: keep trying till the deadline
                 log.warning("drain: could not count this node's work left: %s", exc)
                 left = None
@@ -229,4 +252,7 @@ class AgentProcess:
             else:
                 await component.stop()
         self._started.clear()
+        if self.inbox is not None:
+            # Records not written by then stay on disk for the next start.
+            await self.inbox.close(self.resources.settings.worker.shutdown_timeout)
         await self.registrations.close()

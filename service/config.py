@@ -109,18 +109,19 @@ class CatalogSettings(BaseModel):
     """SQLAlchemy URL: `sqlite+aiosqlite://` for one agent, `postgresql+asyncpg://`
     for several agents sharing one catalog. Migrations run at `serve` start."""
 
-    register_ack: Literal["committed", "on_disk"] = "committed"
-    """When a registration is answered. `committed`: once its transaction has
-    committed. It then survives a kill -9 of the agent and of the trainer, and
-    reaches the disk with the catalog's next log flush, started at once (SQLite:
-    the group fsync of the WAL; PostgreSQL: `synchronous_commit = off` for the
-    registration writer, flushed by any later commit or by the WAL writer
-    within 3 × `wal_writer_delay`). A power loss or kernel crash of the
-    catalog's machine in that window (milliseconds) can lose the registration,
-    not its files: the client fsynced them on T0, and registering them again
-    brings it back. `on_disk`: once the commit is on disk, which puts a flush
-    of the catalog's log on the trainer's path (milliseconds more, tens on a
-    busy disk)."""
+    register_ack: Literal["recorded", "committed", "on_disk"] = "recorded"
+    """When a registration is answered. `recorded`: once recorded in the agent's
+    inbox on the node's SSD (`<first [local] root>/.tierckpt-inbox/`), after one
+    read of the catalog that refuses what it would refuse (409); the catalog's
+    write follows behind the answer (a checkpoint the catalog holds already,
+    e.g. another rank's, is answered as with `committed`). `committed`: once its
+    transaction has committed. Either survives a kill -9 of the agent and of the
+    trainer, and reaches the disk with the catalog's next log flush, started at
+    once (SQLite: the WAL's group fsync; PostgreSQL: `synchronous_commit = off`
+    for the registration writer). A power loss or kernel crash in that window
+    (milliseconds) can lose the registration, not its files: the client fsynced
+    them on T0, and registering them again brings it back. `on_disk`: once the
+    commit is on disk (a flush of the catalog's log on the trainer's path)."""
 
     @field_validator("url")
     @classmethod

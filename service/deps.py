@@ -39,6 +39,20 @@ async def get_agent(request: Request) -> AgentProcess:
 AgentDep = Annotated[AgentProcess, Depends(get_agent)]
 
 
+async def settle_run(request: Request, agent: AgentDep) -> None:
+    """Read your own registrations: a run-scoped route's run has its records
+    in this agent's inbox written to the catalog first (checkpoints/inbox.py;
+    nothing to wait for, the usual case, is one dict lookup). A router-level
+    dependency of the run-scoped routers; the checkpoints router calls
+    ``settled`` itself, route by route (not `latest`, not the detail)."""
+    run = request.path_params.get("run")
+    if run is not None and agent.inbox is not None:
+        await agent.inbox.settled(run)
+
+
+SettledRun = Depends(settle_run)
+
+
 async def get_registrations(agent: AgentDep) -> RegistrationBatcher:
     """The agent's registration writer (group commit)."""
     return agent.registrations

@@ -22,6 +22,7 @@ a run that no registration could name.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 NAME_CHARS = r"[A-Za-z0-9._-]{1,128}"
@@ -43,3 +44,12 @@ def not_a_dot_segment(run: str) -> str:
 
 def is_region_name(name: str) -> bool:
     return NAME_PATTERN.match(name) is not None and name not in DOT_SEGMENTS
+
+
+def agent_directory_name(node: str, catalog_url: str) -> str:
+    """One name per agent, for the directories only it writes (the memory
+    arena, the registration inbox): its node and its catalog, so that two
+    test agents on one machine, or one agent per catalog, never share one."""
+    safe_node = re.sub(r"[^A-Za-z0-9._-]", "_", node)[:64]
+    catalog = hashlib.sha256(catalog_url.encode()).hexdigest()[:10]
+    return f"{safe_node}-{catalog}"

@@ -7,11 +7,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 
 from ..auth import Action, authorize
-from ..deps import PrincipalDep, SessionDep
+from ..deps import PrincipalDep, SessionDep, SettledRun
 from .schemas import AdviceOut
 from .service import AdviceService
 
-router = APIRouter(prefix="/v1", tags=["advice"])
+router = APIRouter(prefix="/v1", tags=["advice"], dependencies=[SettledRun])
 
 
 async def get_advice_service(session: SessionDep) -> AdviceService:

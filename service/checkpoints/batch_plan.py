@@ -6,6 +6,7 @@ created), shared by both ways of writing it (batch_write.py, fresh_batch.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from ..models import CheckpointState
@@ -22,6 +23,9 @@ class Registration:
     scanned: ScannedShard
     hashes: dict[str, str]
     fingerprint: str
+    # When the agent accepted it, if before its write (an inbox record,
+    # inbox.py): the checkpoint's created_at; None: the batch's time.
+    accepted_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,24 @@ class Planned:
     promote: bool = False
     created_at: Any = None
 
+    @classmethod
+    def creating(
+        cls, key: tuple[int, int], run: str, first: RegisterRequest, created_at: Any
+    ) -> Planned:
+        """A checkpoint not in the catalog yet, created by ``first``."""
+        return cls(
+            key=key,
+            run=run,
+            id=None,
+            new=True,
+            world_size=first.world_size,
+            state=CheckpointState.REGISTERED,
+            priority=first.priority,
+            error=None,
+            first=first,
+            created_at=created_at,
+        )
+
 
 def one_statement_may_do(items: list[Registration], known_runs: dict[str, int]) -> bool:
     """Whether a batch may be written in one statement (fresh_batch.py):
@@ -89,4 +111,5 @@ def checkpoint_row(plan: Planned) -> dict[str, Any]:
         "write_seconds": first.write_seconds,
         "total_bytes": sum(r.scanned.total_bytes for _, r in plan.added),
         "file_count": sum(len(r.scanned.files) for _, r in plan.added),
+        "created_at": plan.created_at,
     }

@@ -205,18 +205,9 @@ def write_batch(
         key = (run_ids[request.run], request.step)
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = Planned(
-                key=key,
-                run=request.run,
-                id=None,
-                new=True,
-                world_size=request.world_size,
-                state=CheckpointState.REGISTERED,
-                priority=request.priority,
-                error=None,
-                first=request,
-                created_at=now,
-            )
+            # Registered when it was accepted: an inbox record is written
+            # here moments (or, after an outage, long) later.
+            plan = plans[key] = Planned.creating(key, request.run, request, item.accepted_at or now)
         try:
             _decide(plan, index, item)
         except ApiError as exc:
@@ -296,9 +287,7 @@ def _insert(
     if new:
         rows = []
         for plan in new:
-            rows.append(
-                {**checkpoint_row(plan), "created_at": now, "updated_at": now, "pinned": False}
-            )
+            rows.append({**checkpoint_row(plan), "updated_at": now, "pinned": False})
         inserted = conn.execute(inserts.checkpoints, rows)
         for checkpoint_id, run_id, step in inserted:
             plans[(run_id, step)].id = checkpoint_id

@@ -93,6 +93,7 @@ _CHECKPOINT_COLUMNS = (
     ("write_seconds", Float),
     ("total_bytes", BigInteger),
     ("file_count", Integer),
+    ("created_at", postgresql.TIMESTAMP),
 )
 _JOB_COLUMNS = (
     ("kind", String),
@@ -116,8 +117,8 @@ def _statement() -> Any:
     inserted = (
         postgresql.insert(CHECKPOINTS)
         .from_select(
-            [*checkpoint_columns, "created_at", "updated_at", "pinned"],
-            select(*(cps.c[name] for name in checkpoint_columns), now, now, literal(False)),
+            [*checkpoint_columns, "updated_at", "pinned"],
+            select(*(cps.c[name] for name in checkpoint_columns), now, literal(False)),
         )
         # No ON CONFLICT: a checkpoint that exists fails the whole statement,
         # so that nothing of the batch is left when it runs without a

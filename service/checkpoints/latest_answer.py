@@ -13,7 +13,8 @@ and equals the checkpoint's detail view).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -26,6 +27,8 @@ from ..resources import Resources
 from . import repository as repo
 from .presenter import Listing, latest_document, to_json
 from .repository import LatestRows
+
+T = TypeVar("T")
 
 
 async def latest_json(
@@ -80,19 +83,29 @@ async def read_latest_rows(
     disconnect."""
     if readers is not None:
         return await read_snapshot(inline, readers, repo.latest_rows, run, min_regions, region)
-    return await _read_with_retry(maker, run, min_regions, region)
+    return await _read_with_retry(maker, repo.latest_rows, run, min_regions, region)
+
+
+async def read_whole(resources: Resources, read: Callable[..., T], *args: Any) -> T:
+    """Any other whole read on the hot path, the way `latest`'s is read:
+    ``read(session, *args)`` on SQLite's inline reader, else on the read pool."""
+    if resources.sync_readers is not None:
+        return await read_snapshot(resources.inline_readers, resources.sync_readers, read, *args)
+    return await _read_with_retry(
+        resources.read_sessionmaker or resources.sessionmaker, read, *args
+    )
 
 
 async def _read_with_retry(
-    maker: async_sessionmaker[AsyncSession], run: str, min_regions: int, region: str | None
-) -> LatestRows | None:
+    maker: async_sessionmaker[AsyncSession], read: Callable[..., T], *args: Any
+) -> T:
     """PostgreSQL: the read, once more on a connection that turned out dead
     (db._ping_when_idle hands out recently used ones without a ping; the
     failure invalidated the pool, so the second try gets a fresh one)."""
     for attempt in (1, 2):
         try:
             async with maker() as session:
-                return await session.run_sync(repo.latest_rows, run, min_regions, region)
+                return await session.run_sync(read, *args)
         except DBAPIError as exc:
             if attempt == 2 or not exc.connection_invalidated:
                 raise

@@ -47,6 +47,15 @@ class BatchTiming:
         return cls(queued=queued, phases=dict(phases.seconds), size=size)
 
 
+def report_recorded(scan_seconds: float, total_seconds: float) -> None:
+    """A registration answered from the inbox (inbox.py): its scan, then the
+    catalog's read and the record written (``record``)."""
+    record = max(0.0, total_seconds - scan_seconds)
+    note_request(register_scan_ms=_ms(scan_seconds), register_record_ms=_ms(record))
+    metrics.observe_register_phase("scan", scan_seconds)
+    metrics.observe_register_phase("record", record)
+
+
 def report(scan_seconds: float, timing: BatchTiming | None) -> None:
     """Log the phases with the request and observe them in the metrics."""
     facts: dict[str, Any] = {"register_scan_ms": _ms(scan_seconds)}

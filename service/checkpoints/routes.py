@@ -8,7 +8,14 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response
 
 from ..auth import Action, Principal, authenticate, authorize
-from ..deps import AgentDep, CheckpointServiceDep, PrincipalDep, RegistrationsDep
+from ..deps import (
+    AgentDep,
+    CheckpointServiceDep,
+    PrincipalDep,
+    RegistrationsDep,
+    SettledRun,
+    settle_run,
+)
 from ..memory import lookup
 from ..models import CheckpointState
 from ..peers.latest import newest_peer_safe
@@ -53,7 +60,7 @@ async def register_checkpoint(
 ) -> Response:
     authorize(principal, Action.WRITE, body.run)
     checkpoint, created = await register(
-        request.app.state.resources, registrations, body, agent.drain
+        request.app.state.resources, registrations, body, agent.drain, agent.inbox
     )
     return Response(
         checkpoint.model_dump_json(),
@@ -62,7 +69,7 @@ async def register_checkpoint(
     )
 
 
-@router.get("/runs/{run}/checkpoints", response_model=CheckpointPage)
+@router.get("/runs/{run}/checkpoints", response_model=CheckpointPage, dependencies=[SettledRun])
 async def list_checkpoints(
     run: str,
     service: CheckpointServiceDep,
@@ -92,7 +99,7 @@ async def get_checkpoint(
     run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep, agent: AgentDep
 ) -> CheckpointOut:
     authorize(principal, Action.READ, run)
-    return await lookup.detail(service, agent.memory, run, step)
+    return await lookup.detail(service, agent.memory, run, step, agent.inbox)
 
 
 @router.get("/runs/{run}/latest", response_model=LatestOut)
@@ -117,6 +124,7 @@ async def latest_checkpoint(
         if document is not None:
             return Response(to_json(document), media_type="application/json")
     if scope == "node":
+        await settle_run(request, agent)  # the node's newest may be only recorded
         document = await lookup.node_latest(
             request.app.state.resources, service, agent.memory, run, node, region
         )
@@ -140,7 +148,9 @@ async def peer_safe_latest(service: CheckpointServiceDep, run: str) -> dict[str,
     return {**document, "locations": [], "local": None}
 
 
-@router.get("/runs/{run}/checkpoints/{step}/download", response_model=RestorePlan)
+@router.get(
+    "/runs/{run}/checkpoints/{step}/download", response_model=RestorePlan, dependencies=[SettledRun]
+)
 async def restore_plan(
     run: str,
     step: int,
@@ -154,7 +164,12 @@ async def restore_plan(
     return await service.restore_plan(run, step, region, rank, chunks)
 
 
-@router.post("/runs/{run}/checkpoints/{step}/verify", status_code=202, response_model=CheckpointOut)
+@router.post(
+    "/runs/{run}/checkpoints/{step}/verify",
+    status_code=202,
+    response_model=CheckpointOut,
+    dependencies=[SettledRun],
+)
 async def verify_checkpoint(
     run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
 ) -> CheckpointOut:
@@ -164,7 +179,9 @@ async def verify_checkpoint(
     return await service.verify(run, step)
 
 
-@router.get("/runs/{run}/checkpoints/{step}/lineage", response_model=LineageOut)
+@router.get(
+    "/runs/{run}/checkpoints/{step}/lineage", response_model=LineageOut, dependencies=[SettledRun]
+)
 async def checkpoint_lineage(
     run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
 ) -> LineageOut:
@@ -173,7 +190,9 @@ async def checkpoint_lineage(
     return await service.lineage(run, step)
 
 
-@router.post("/runs/{run}/checkpoints/{step}/pin", response_model=CheckpointOut)
+@router.post(
+    "/runs/{run}/checkpoints/{step}/pin", response_model=CheckpointOut, dependencies=[SettledRun]
+)
 async def pin_checkpoint(
     run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
 ) -> CheckpointOut:
@@ -181,7 +200,9 @@ async def pin_checkpoint(
     return await service.set_pinned(run, step, True)
 
 
-@router.delete("/runs/{run}/checkpoints/{step}/pin", response_model=CheckpointOut)
+@router.delete(
+    "/runs/{run}/checkpoints/{step}/pin", response_model=CheckpointOut, dependencies=[SettledRun]
+)
 async def unpin_checkpoint(
     run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
 ) -> CheckpointOut:
@@ -189,7 +210,11 @@ async def unpin_checkpoint(
     return await service.set_pinned(run, step, False)
 
 
-@router.post("/runs/{run}/checkpoints/{step}/quarantine", response_model=CheckpointOut)
+@router.post(
+    "/runs/{run}/checkpoints/{step}/quarantine",
+    response_model=CheckpointOut,
+    dependencies=[SettledRun],
+)
 async def quarantine_checkpoint(
     run: str,
     step: int,
@@ -202,7 +227,11 @@ async def quarantine_checkpoint(
     return await service.quarantine(run, step, body.reason)
 
 
-@router.delete("/runs/{run}/checkpoints/{step}/quarantine", response_model=CheckpointOut)
+@router.delete(
+    "/runs/{run}/checkpoints/{step}/quarantine",
+    response_model=CheckpointOut,
+    dependencies=[SettledRun],
+)
 async def release_quarantine(
     run: str, step: int, service: CheckpointServiceDep, principal: PrincipalDep
 ) -> CheckpointOut:
@@ -210,7 +239,12 @@ async def release_quarantine(
     return await service.quarantine(run, step, None)
 
 
-@router.delete("/runs/{run}/checkpoints/{step}", status_code=202, response_model=CheckpointOut)
+@router.delete(
+    "/runs/{run}/checkpoints/{step}",
+    status_code=202,
+    response_model=CheckpointOut,
+    dependencies=[SettledRun],
+)
 async def delete_checkpoint(
     run: str,
     step: int,

@@ -33,8 +33,9 @@ from ..storage.chunks import decode as decode_chunks
 from ..storage.manifest import shard_fingerprint
 from . import register_timing
 from . import repository as repo
-from .batch_write import Outcome, Registration
+from .batch_plan import Outcome, Registration
 from .batching import RegistrationBatcher
+from .inbox import RegistrationInbox
 from .presenter import Listing, checkpoint_out
 from .repository import FileRow
 from .scan import ScannedShard, ScanTooLarge, scan
@@ -96,6 +97,13 @@ def _client_hashes(request: RegisterRequest, scanned: ScannedShard) -> dict[str,
     return hashes
 
 
+def registration_of(request: RegisterRequest, scanned: ScannedShard) -> Registration:
+    hashes = _client_hashes(request, scanned)
+    return Registration(
+        request=request, scanned=scanned, hashes=hashes, fingerprint=fingerprint(scanned, hashes)
+    )
+
+
 async def submit_registration(
     resources: Resources, registrations: RegistrationBatcher, request: RegisterRequest
 ) -> Outcome:
@@ -104,7 +112,7 @@ async def submit_registration(
     scanning = time.perf_counter()
     scanned = await scan_checkpoint(resources, request.path)
     scan_seconds = time.perf_counter() - scanning
-    outcome = await submit_scanned(registrations, request, scanned)
+    outcome = await registrations.submit(registration_of(request, scanned))
     register_timing.report(scan_seconds, outcome.timing)
     return outcome
 
@@ -114,11 +122,7 @@ async def submit_scanned(
 ) -> Outcome:
     """The group commit of a registration whose files are listed already
     (the memory tier lists a segment that T0 will hold)."""
-    hashes = _client_hashes(request, scanned)
-    registration = Registration(
-        request=request, scanned=scanned, hashes=hashes, fingerprint=fingerprint(scanned, hashes)
-    )
-    return await registrations.submit(registration)
+    return await registrations.submit(registration_of(request, scanned))
 
 
 async def register(
@@ -126,20 +130,35 @@ async def register(
     registrations: RegistrationBatcher,
     request: RegisterRequest,
     drain: DrainState | None = None,
+    inbox: RegistrationInbox | None = None,
 ) -> tuple[CheckpointOut, bool]:
     """Record a checkpoint shard and enqueue its upload; (record, created).
     While the agent drains (``drain``), only urgent ones (draining.py).
 
-    The scan and every check that needs no catalog happen in the request;
-    the catalog write is the agent's group commit (batching.py): this
-    returns once the transaction holding it is committed, so a 202 means
-    the registration survives a kill -9 of the agent right after it. The
-    hot path takes no session of its own: only a checkpoint that existed
-    before the batch (another rank, a re-register) is read back.
+    The scan and every check that needs no catalog happen in the request.
+    With an ``inbox`` (``[catalog] register_ack = "recorded"``), a new
+    checkpoint is answered once recorded there (inbox.py: the catalog's
+    refusals are decided first, its write follows). Otherwise the catalog
+    write is the agent's group commit (batching.py): this returns once the
+    transaction holding it is committed. Either way a 202 means the
+    registration survives a kill -9 of the agent right after it. The hot
+    path takes no session of its own: only a checkpoint that existed before
+    (another rank, a re-register) is read back.
     """
     if drain is not None:
         drain.admit(request.priority)
-    outcome = await submit_registration(resources, registrations, request)
+    scanning = time.perf_counter()
+    scanned = await scan_checkpoint(resources, request.path)
+    scan_seconds = time.perf_counter() - scanning
+    registration = registration_of(request, scanned)
+    if inbox is not None:
+        recorded = await inbox.offer(registration)
+        if recorded is not None:
+            # Counted in the metrics when the writer creates it, as any other.
+            register_timing.report_recorded(scan_seconds, time.perf_counter() - scanning)
+            return recorded, True
+    outcome = await registrations.submit(registration)
+    register_timing.report(scan_seconds, outcome.timing)
     if outcome.record is not None:
         return outcome.record, outcome.created
     async with reading(resources.sessionmaker)() as session:

@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from ..checkpoints.inbox import RegistrationInbox
 from ..checkpoints.latest_answer import latest_json
 from ..checkpoints.schemas import CheckpointOut, CopyOut, PeerOut
 from ..checkpoints.service import CheckpointService
@@ -35,16 +36,29 @@ HELD_STATES = (
     CheckpointState.REPLICATED,
 )
 DURABLE_STATES = (CheckpointState.DURABLE, CheckpointState.REPLICATED)
+# Seconds a detail waits for its checkpoint's inbox record to reach the
+# catalog (milliseconds, unless the catalog is slow or down).
+INBOX_WAIT = 2.0
 
 
 async def detail(
-    service: CheckpointService, memory: MemoryTier | None, run: str, step: int
+    service: CheckpointService,
+    memory: MemoryTier | None,
+    run: str,
+    step: int,
+    inbox: RegistrationInbox | None = None,
 ) -> CheckpointOut:
     """The detail view, with ``copies``: memory (this agent's arena), T0 (the
     shards' files not evicted), peers (committed shard copies on other
     nodes, and ``peers``: each peer node's state) and the regions holding a
     committed copy. A
-    checkpoint only staged in memory is answered from the arena."""
+    checkpoint only staged in memory is answered from the arena, one only
+    recorded in the inbox (its catalog write late: the catalog slow or down)
+    from its record."""
+    if inbox is not None and not await inbox.settled(run, step, timeout=INBOX_WAIT):
+        recorded = inbox.answer_of(run, step)
+        if recorded is not None:
+            return recorded
     try:
         detail = await service.detail(run, step)
     except NotFound:

@@ -9,9 +9,7 @@ the bytes (persist.py). Until then this agent answers for it with the state
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from ..checkpoints.schemas import MAX_STEP, RegisterRequest, StrictModel
 from ..config import Settings
 from ..draining import DrainState
 from ..errors import BadInput, Conflict
-from ..names import RUN_PATTERN, not_a_dot_segment
+from ..names import RUN_PATTERN, agent_directory_name, not_a_dot_segment
 from ..resources import Resources
 from .arena import Arena, MemoryFull, Segment
 from .persist import SegmentPersister
@@ -57,11 +55,10 @@ class SegmentOut(BaseModel):
 
 
 def arena_directory(settings: Settings) -> Path:
-    """One directory per agent: its node and its catalog (two test agents on
-    one machine, or one agent per catalog, never share an arena)."""
-    node = re.sub(r"[^A-Za-z0-9._-]", "_", settings.server.node)[:64]
-    catalog = hashlib.sha256(settings.catalog.url.encode()).hexdigest()[:10]
-    return Path(settings.memory.dir) / f"{node}-{catalog}"
+    """One directory per agent (names.agent_directory_name)."""
+    return Path(settings.memory.dir) / agent_directory_name(
+        settings.server.node, settings.catalog.url
+    )
 
 
 def _relative_path(path: str, max_length: int) -> str:

@@ -36,6 +36,13 @@ REGISTRATIONS = Counter(
     ["priority"],
     registry=REGISTRY,
 )
+REGISTRATIONS_REFUSED_LATE = Counter(
+    "tierckpt_registrations_refused_late",
+    "Registrations answered from this agent's inbox that the catalog then "
+    "refused (another agent registered the same rank with other content in "
+    "between); each is logged with its reason.",
+    registry=REGISTRY,
+)
 UPLOADED_BYTES = Counter(
     "tierckpt_uploaded_bytes",
     "Bytes uploaded from this node's local SSD into a region (repairs included).",
@@ -129,7 +136,9 @@ REGISTER_PHASE_SECONDS = Histogram(
     "Where registrations spend their time in the agent: scan (listing the "
     "files), queued (behind an earlier batch of the group commit), gate and "
     "lock (waiting for the catalog: SQLite's write lock, a PostgreSQL "
-    "connection), write (the statements), commit (the catalog's fsync).",
+    "connection), write (the statements), commit (the catalog's fsync); record "
+    "(the catalog's read and the inbox record of a registration answered from "
+    "the inbox, whose write follows).",
     ["phase"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
     registry=REGISTRY,
@@ -246,6 +255,10 @@ def init_regions(regions: list[str]) -> None:
 
 def observe_registration(priority: str) -> None:
     REGISTRATIONS.labels(priority).inc()
+
+
+def count_registration_refused_late() -> None:
+    REGISTRATIONS_REFUSED_LATE.inc()
 
 
 def observe_register_phase(phase: str, seconds: float) -> None:

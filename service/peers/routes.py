@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse
 
 from ..auth import Action, authorize, authorize_peer_push
 from ..db import reading
-from ..deps import PrincipalDep, ResourcesDep
+from ..deps import PrincipalDep, ResourcesDep, SettledRun
 from ..errors import NotFound
 from ..observability import metrics
 from . import agents, layout
@@ -20,7 +20,7 @@ from .receive import commit_copy, load_shard, receive_file
 from .schemas import AgentList, AgentOut, CommittedCopy, ReceivedFile
 from .serve import copy_path
 
-router = APIRouter(prefix="/v1", tags=["peers"])
+router = APIRouter(prefix="/v1", tags=["peers"], dependencies=[SettledRun])
 
 
 class _CopyFile(FileResponse):

@@ -7,11 +7,11 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ..auth import Action, authorize
-from ..deps import PrincipalDep, ResourcesDep, SessionDep
+from ..deps import PrincipalDep, ResourcesDep, SessionDep, SettledRun
 from .schemas import MAX_NODES, PrefetchOut, PrefetchPage, PrefetchRequest
 from .service import prefetch_status, request_prefetch
 
-router = APIRouter(prefix="/v1", tags=["prefetch"])
+router = APIRouter(prefix="/v1", tags=["prefetch"], dependencies=[SettledRun])
 
 
 @router.post("/runs/{run}/prefetch", status_code=202, response_model=PrefetchOut)

@@ -6,11 +6,11 @@ from fastapi import APIRouter
 
 from ..auth import Action, authorize
 from ..config import RetentionPolicySettings
-from ..deps import PrincipalDep, ResourcesDep, SessionDep
+from ..deps import PrincipalDep, ResourcesDep, SessionDep, SettledRun
 from .schemas import RetentionApplied, RetentionOut
 from .service import apply_retention_now, override_retention, run_retention
 
-router = APIRouter(prefix="/v1/runs", tags=["retention"])
+router = APIRouter(prefix="/v1/runs", tags=["retention"], dependencies=[SettledRun])
 
 
 @router.get("/{run}/retention", response_model=RetentionOut)

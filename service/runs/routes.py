@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from ..deps import PrincipalDep, ResourcesDep, SessionDep
+from ..deps import PrincipalDep, ResourcesDep, SessionDep, SettledRun
 from .schemas import RunPage
 from .service import runs_page
 
-router = APIRouter(prefix="/v1", tags=["runs"])
+router = APIRouter(prefix="/v1", tags=["runs"], dependencies=[SettledRun])
 
 
 @router.get("/runs", response_model=RunPage)

@@ -22,14 +22,14 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import DictLoader, Environment, select_autoescape
 
 from ..auth import Action, Principal, authenticate
-from ..deps import ResourcesDep, SessionDep
+from ..deps import ResourcesDep, SessionDep, SettledRun
 from ..errors import Unauthorized
 from ..models import utcnow
 from . import svg
 from .service import overview, run_view_named
 from .templates import TEMPLATES
 
-router = APIRouter(prefix="/ui", include_in_schema=False)
+router = APIRouter(prefix="/ui", include_in_schema=False, dependencies=[SettledRun])
 
 COOKIE = "tierckpt_ui"
 SECURITY_HEADERS = {

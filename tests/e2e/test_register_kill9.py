@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from devsupport.catalog_lock import catalog_write_lock, rows
 from devsupport.processes import ServeProcess, free_port, write_config
+from tierckpt.service.storage.layout import object_key
 
 pytestmark = pytest.mark.e2e
 
@@ -125,3 +128,40 @@ def test_kill9_during_concurrent_registrations_loses_no_202(
                     "/v1/checkpoints", json={"run": "k", "step": step, "path": str(dirs[step])}
                 )
                 assert answer.status_code in (200, 202), answer.text
+
+
+def test_kill9_after_an_answer_only_recorded_on_the_node(catalog_url: str, tmp_path: Path) -> None:
+    """The default `[catalog] register_ack = "recorded"`: a 202 given while the
+    catalog's write lock is held from outside (so the catalog cannot have
+    the registration yet), then kill -9 of the agent: the restarted agent
+    takes the record up, and the checkpoint becomes durable with its bytes."""
+    config, port, ssd = _config(tmp_path, catalog_url)
+    source = ssd / "step-3"
+    source.mkdir()
+    (source / "w.bin").write_bytes(b"recorded" * 1000)
+    agent = ServeProcess(config, port, tmp_path / "serve.log").start()
+    try:
+        with catalog_write_lock(catalog_url):
+            answer = httpx.post(
+                f"{agent.url}/v1/checkpoints",
+                json={"run": "rec", "step": 3, "path": str(source)},
+                timeout=30,
+            )
+            assert answer.status_code == 202, answer.text
+            assert rows(catalog_url, "SELECT count(*) FROM checkpoints") == [(0,)]
+            agent.kill()
+    finally:
+        agent.kill()
+    assert rows(catalog_url, "SELECT count(*) FROM checkpoints") == [(0,)]
+    with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
+        with httpx.Client(base_url=again.url, timeout=30) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                detail = http.get("/v1/runs/rec/checkpoints/3")
+                if detail.status_code == 200 and detail.json()["state"] == "durable":
+                    break
+                assert time.monotonic() < deadline, detail.text
+                time.sleep(0.1)
+            stored = tmp_path / "region" / object_key("rec", 3, 0, "w.bin")
+            assert stored.read_bytes() == b"recorded" * 1000
+    assert not list((ssd / ".tierckpt-inbox").rglob("*.json"))

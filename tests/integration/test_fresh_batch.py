@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from devsupport import postgres as pg
-from devsupport.agent import Agent, posix_region, running_agent, write_checkpoint
+from devsupport.agent import AT_COMMIT, Agent, posix_region, running_agent, write_checkpoint
 from tierckpt.service.checkpoints.schemas import RegisterRequest
 from tierckpt.service.checkpoints.service import submit_registration
 from tierckpt.service.models import Checkpoint, File, Job, Replica, Run, Shard
@@ -214,8 +214,16 @@ async def test_a_checkpoint_another_agent_created_falls_back_to_the_full_way(
 ) -> None:
     with pg.temp_database(postgres_admin_url) as url:
         async with (
-            running_agent(url, tmp_path / "a", start_worker=False) as a,
-            running_agent(url, tmp_path / "b", start_worker=False, server={"node": "node-b"}) as b,
+            # Answered at the commit: the group commit's own path, which an
+            # inbox record reaches only after its answer.
+            running_agent(url, tmp_path / "a", start_worker=False, catalog=AT_COMMIT) as a,
+            running_agent(
+                url,
+                tmp_path / "b",
+                start_worker=False,
+                server={"node": "node-b"},
+                catalog=AT_COMMIT,
+            ) as b,
         ):
             await a.register("r", 0, write_checkpoint(a.ssd / "warm", {"w.bin": b"0"}))
             await b.register("r", 1, write_checkpoint(b.ssd / "warm", {"w.bin": b"1"}))

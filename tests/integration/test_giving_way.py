@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from devsupport.agent import running_agent, write_checkpoint
+from devsupport.agent import AT_COMMIT, running_agent, write_checkpoint
 from devsupport.seaweed import SeaweedServer
 from tests.integration.test_regions import key as object_key
 from tests.integration.test_regions import remote_sha256, two_regions, west_bucket  # noqa: F401
@@ -115,7 +115,12 @@ async def test_the_worker_process_gives_way_to_a_stream_of_registrations(tmp_pat
     catalog_url = f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"
     count = 150
     worker = {"separate_process": "yes"}
-    async with running_agent(catalog_url, tmp_path, worker_process=True, worker=worker) as agent:
+    # Answered at the commit: each registration's transaction is in the
+    # stream the worker gives way to (an inbox record is written behind its
+    # answer, by the same writer, but the client no longer paces the stream).
+    async with running_agent(
+        catalog_url, tmp_path, worker_process=True, worker=worker, catalog=AT_COMMIT
+    ) as agent:
         before = _value((await agent.http.get("/metrics")).text, GAVE_WAY)
         for step in range(1, count + 1):
             ckpt = write_checkpoint(agent.ssd / f"s{step}", {"model.bin": step.to_bytes(4, "big")})

@@ -188,6 +188,7 @@ async def test_pending_work_outage_gauges_and_private_metrics(
         )
         assert answer.status_code == 202, answer.text
         assert answer.headers["x-request-id"] == "trace-abc.1"  # a caller's id is kept
+        await agent.in_catalog("q")  # the gauges are the catalog's
 
         denied = await agent.http.get("/metrics")
         assert denied.status_code == 401

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from devsupport.agent import posix_region, running_agent, write_checkpoint
+from devsupport.agent import AT_COMMIT, posix_region, running_agent, write_checkpoint
 from tierckpt.service.observability.logs import make_handler
 
 
@@ -84,10 +84,32 @@ async def test_json_lines_carry_request_id_and_job_context(
     assert "request_id" not in retry  # background work belongs to no request
 
 
+async def test_a_recorded_register_line_says_where_the_time_went(
+    catalog_url: str, tmp_path: Path, json_log: io.StringIO
+) -> None:
+    """The default: answered from the inbox, the catalog's write behind it."""
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 1024})
+        answer = await agent.http.post(
+            "/v1/checkpoints",
+            json={"run": "recorded", "step": 1, "path": str(ckpt)},
+            headers={"X-Request-ID": "req-recorded-1"},
+        )
+        assert answer.status_code == 202
+        exposed = (await agent.http.get("/metrics")).text
+    lines = [r for r in records(json_log) if r["logger"] == "tierckpt.http"]
+    line = next(r for r in lines if r.get("request_id") == "req-recorded-1")
+    phases = {k: v for k, v in line.items() if k.startswith("register_") and k.endswith("_ms")}
+    assert set(phases) == {"register_scan_ms", "register_record_ms"}
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= line["duration_ms"]
+    assert re.search(r'tierckpt_register_phase_seconds_count{phase="record"} [1-9]', exposed)
+
+
 async def test_register_line_says_where_the_time_went(
     catalog_url: str, tmp_path: Path, json_log: io.StringIO
 ) -> None:
-    async with running_agent(catalog_url, tmp_path) as agent:
+    """Answered at the commit: the group commit's phases."""
+    async with running_agent(catalog_url, tmp_path, catalog=AT_COMMIT) as agent:
         for step in (1, 2):
             ckpt = write_checkpoint(agent.ssd / f"s{step}", {"w.bin": 1024})
             answer = await agent.http.post(

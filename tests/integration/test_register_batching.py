@@ -5,6 +5,10 @@ still each one is answered on its own merits.
 The batching is driven two ways: through HTTP with many requests at once (the
 real path), and through ``RegistrationBatcher.submit`` gathered in one loop
 iteration, which puts every submitted registration in the same batch for sure.
+The agents answer at the commit (``register_ack = "committed"``), so that a
+request's answer is its batch's; by default a new checkpoint's registration
+reaches the same writer just behind its answer (inbox.py,
+test_register_inbox.py).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from devsupport.agent import Agent, running_agent, write_checkpoint
+from devsupport.agent import AT_COMMIT, Agent, running_agent, write_checkpoint
 from devsupport.tcpproxy import TcpProxy
 from tierckpt.service.checkpoints.batch_write import Outcome
 from tierckpt.service.checkpoints.scan import ScannedShard
@@ -53,7 +57,7 @@ async def submit_together(agent: Agent, requests: list[RegisterRequest]) -> list
 async def test_many_concurrent_registrations_are_all_committed(
     catalog_url: str, tmp_path: Path
 ) -> None:
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=AT_COMMIT) as agent:
         paths = [
             write_checkpoint(agent.ssd / f"s{i}", {"w.bin": b"w" * i, "meta.json": b"{}"})
             for i in range(120)
@@ -94,7 +98,7 @@ async def test_many_concurrent_registrations_are_all_committed(
 async def test_one_bad_registration_does_not_fail_its_batch(
     catalog_url: str, tmp_path: Path
 ) -> None:
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=AT_COMMIT) as agent:
         ssd = agent.ssd
         old = write_checkpoint(ssd / "old", {"w.bin": b"old"})
         assert (await agent.register("r", 1, old)).status_code == 202
@@ -138,7 +142,7 @@ async def test_a_statement_the_catalog_refuses_fails_only_that_registration(
     """A registration whose rows the database itself refuses (here: the same
     file listed twice, against UNIQUE(shard, path)) rolls the batch back; the
     batch is then written one by one and only that registration fails."""
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=AT_COMMIT) as agent:
         paths = [write_checkpoint(agent.ssd / f"s{i}", {"w.bin": b"x"}) for i in range(6)]
         batcher = agent.process.registrations
         real_submit = batcher.submit
@@ -174,7 +178,7 @@ async def test_a_statement_the_catalog_refuses_fails_only_that_registration(
 
 
 async def test_idempotent_and_multi_rank_within_one_batch(catalog_url: str, tmp_path: Path) -> None:
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=AT_COMMIT) as agent:
         ckpt = write_checkpoint(agent.ssd / "a", {"w.bin": b"a"})
         other = write_checkpoint(agent.ssd / "b", {"w.bin": b"bb"})
         ranks = [
@@ -219,7 +223,7 @@ async def test_idempotent_and_multi_rank_within_one_batch(catalog_url: str, tmp_
 async def test_another_rank_of_an_existing_checkpoint_over_http(
     catalog_url: str, tmp_path: Path
 ) -> None:
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=AT_COMMIT) as agent:
         ranks = [write_checkpoint(agent.ssd / f"r{i}", {"w.bin": b"x" * 10}) for i in range(3)]
         first = await agent.register("r", 5, ranks[0], rank=0, world_size=3)
         assert first.status_code == 202 and len(first.json()["shards"]) == 1
@@ -237,7 +241,7 @@ async def test_another_rank_of_an_existing_checkpoint_over_http(
 async def test_bad_input_never_reaches_the_batch(
     catalog_url: str, tmp_path: Path, priority: str
 ) -> None:
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=AT_COMMIT) as agent:
         ckpt = write_checkpoint(agent.ssd / "a", {"w.bin": b"a"})
         answers = await asyncio.gather(
             agent.register("r", 1, ckpt, priority=priority),
@@ -254,7 +258,7 @@ async def test_catalog_outage_fails_the_whole_batch_with_503_and_no_row(
     proxied_catalog: tuple[str, TcpProxy], tmp_path: Path
 ) -> None:
     catalog_url, proxy = proxied_catalog
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=AT_COMMIT) as agent:
         paths = [write_checkpoint(agent.ssd / f"s{i}", {"w.bin": b"x"}) for i in range(20)]
         assert (await agent.register("r", 100, paths[0])).status_code == 202  # pool warm
         proxy.cut()
@@ -286,7 +290,7 @@ async def test_the_flag_for_the_worker_process_is_up_from_submit_until_the_lock_
     flag = write_gate.UrgentFlag()
     monkeypatch.setitem(write_gate._URGENT, "raise", flag)
     catalog = f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"
-    async with running_agent(catalog, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog, tmp_path, start_worker=False, catalog=AT_COMMIT) as agent:
         batcher = agent.process.registrations
         seen: list[bool] = []
         real = batcher._sync_transaction
@@ -392,7 +396,7 @@ async def test_a_failed_fsync_answers_503_and_registering_again_succeeds(tmp_pat
         assert again.json()["state"] == "registered"
 
 
-async def test_by_default_a_registration_is_answered_at_its_commit_and_synced_after(
+async def test_a_registration_answered_at_its_commit_is_synced_after(
     tmp_path: Path,
 ) -> None:
     """SQLite, ``register_ack = "committed"`` (the default): the answer does
@@ -401,9 +405,8 @@ async def test_by_default_a_registration_is_answered_at_its_commit_and_synced_af
     meanwhile; once released, the held fsync completes and covers it."""
     database = tmp_path / "catalog.db"
     async with running_agent(
-        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False
+        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False, catalog=AT_COMMIT
     ) as agent:
-        assert agent.settings.catalog.register_ack == "committed"
         ckpt = write_checkpoint(agent.ssd / "s1", {"a.bin": b"a"})
         wal = wal_sync_for(str(database))
         real_fsync = wal._fsync
@@ -442,7 +445,7 @@ async def test_a_failed_fsync_after_the_answer_is_logged(
     registration is committed, survives a kill -9, and not a power loss)."""
     database = tmp_path / "catalog.db"
     async with running_agent(
-        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False
+        f"sqlite+aiosqlite:///{database}", tmp_path, start_worker=False, catalog=AT_COMMIT
     ) as agent:
         ckpt = write_checkpoint(agent.ssd / "s1", {"a.bin": b"a"})
         with (

@@ -29,6 +29,7 @@ async def test_get_answers_while_another_connection_holds_the_write_lock(tmp_pat
     async with running_agent(url, tmp_path, start_worker=False) as agent:
         ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": b"w"})
         assert (await agent.register("r", 1, ckpt)).status_code == 202
+        await agent.in_catalog("r")
 
         # Another process's long write transaction (a rebuild, a migration, a
         # stuck agent): it holds SQLite's write lock for a while.

@@ -1,0 +1,405 @@
+"""Registrations recorded on the node, written to the catalog behind the answer.
+
+With ``[catalog] register_ack = "recorded"`` (the default), a registration
+of a new checkpoint is answered once it is recorded in this agent's inbox,
+a directory on the node's SSD (``<first T0 root>/.tierckpt-inbox/``); the
+registration writer (batching.py) takes it to the catalog right after. So
+the trainer waits for the scan of its directory, one read of the catalog
+and a small file written, never for the catalog's write lock, its
+statements or a batch being committed, whatever the worker holds meanwhile.
+
+Invariants:
+
+* **Refusals stay synchronous.** Before anything is recorded, the catalog's
+  row of the checkpoint is read (one snapshot, no lock) and the same rules as
+  the writer's (batch_write._decide) are applied to it together with the
+  registrations of the same step still in the inbox: a different content,
+  world size, or a failed or deleted checkpoint is a 409 at once.
+* **Only new checkpoints go through the inbox.** A registration of a
+  checkpoint the catalog holds already (another rank, a repeat, an urgent
+  promotion) is written and answered at its commit as before: its answer is
+  read back from the catalog.
+* **Nothing answered is lost to a kill -9.** The record is a file renamed
+  into place before the answer; it is removed only once the catalog has
+  committed the registration. A restarted agent writes every record it finds
+  again (the same listing: a repeat of a committed one is answered as
+  already registered). Like a registration answered at its commit, a power
+  loss before the catalog's next log flush (milliseconds) can lose it, not
+  its files; ``"committed"`` / ``"on_disk"`` wait for the catalog instead.
+* **Read your own registration.** Until its record is written to the
+  catalog, this agent answers the checkpoint's detail from the record, and
+  its other per-run reads wait for the run's records first (``settled``).
+* **A catalog outage delays, it does not refuse.** A record whose write
+  fails for an outage is retried with backoff; while the catalog is down,
+  the read before recording fails and the register answers 503 as before.
+
+A record refused by the catalog after its answer (another agent registered
+the same rank with other content in the moment between the read and the
+write: one shared PostgreSQL catalog) is logged as an error and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import bindparam, select
+from sqlalchemy.orm import Session
+
+from ..errors import ApiError, is_catalog_outage
+from ..names import agent_directory_name
+from ..observability import metrics
+from ..resources import Resources
+from .batch_plan import Planned, Registration
+from .batch_write import _decide
+from .batch_write import _record as answer_of_new
+from .batching import RegistrationBatcher
+from .latest_answer import read_whole
+from .scan import ScannedFile, ScannedShard
+from .schemas import CheckpointOut, RegisterRequest
+from .tables import CHECKPOINTS, RUNS
+
+log = logging.getLogger("tierckpt.register")
+
+INBOX_DIR = ".tierckpt-inbox"
+RECORD_SUFFIX = ".json"
+RETRY_BASE, RETRY_MAX = 0.2, 10.0
+# A record of at most this many files is written on the event loop (tens of
+# microseconds), a larger one in a thread (the scan's own rule).
+INLINE_RECORD_FILES = 64
+# Writes of one record that fail other than for an outage before it is
+# given up (logged, counted): an outage is waited out however long it lasts.
+MAX_ERRORS = 8
+
+_FOUND = (
+    select(CHECKPOINTS.c.id)
+    .join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+    .where(RUNS.c.name == bindparam("run"), CHECKPOINTS.c.step == bindparam("step"))
+)
+_CHILDREN = (
+    select(RUNS.c.name, CHECKPOINTS.c.step)
+    .join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+    .where(
+        CHECKPOINTS.c.parent_run == bindparam("run"),
+        CHECKPOINTS.c.parent_step == bindparam("step"),
+    )
+)
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the catalog holds of one (run, step), read in one snapshot."""
+
+    exists: bool
+    children: list[tuple[str, int]]  # checkpoints naming it their parent
+
+
+def _found(session: Session, run: str, step: int) -> Found:
+    if session.execute(_FOUND, {"run": run, "step": step}).first() is not None:
+        return Found(True, [])
+    children = [(name, s) for name, s in session.execute(_CHILDREN, {"run": run, "step": step})]
+    return Found(False, children)
+
+
+def to_record(registration: Registration, accepted_at: float) -> dict[str, Any]:
+    scanned = registration.scanned
+    return {
+        "request": registration.request.model_dump(mode="json", exclude_none=True),
+        "directory": str(scanned.directory),
+        "is_directory": scanned.is_directory,
+        "files": [[f.path, f.size, f.mtime_ns] for f in scanned.files],
+        "hashes": registration.hashes,
+        "fingerprint": registration.fingerprint,
+        "accepted_at": accepted_at,
+    }
+
+
+def from_record(record: dict[str, Any]) -> tuple[Registration, float]:
+    scanned = ScannedShard(
+        directory=Path(record["directory"]),
+        files=[ScannedFile(path, size, mtime_ns) for path, size, mtime_ns in record["files"]],
+        is_directory=record["is_directory"],
+    )
+    registration = Registration(
+        request=RegisterRequest.model_validate(record["request"]),
+        scanned=scanned,
+        hashes=record["hashes"],
+        fingerprint=record["fingerprint"],
+        accepted_at=_naive_utc(record["accepted_at"]),
+    )
+    return registration, record["accepted_at"]
+
+
+@dataclass
+class Entry:
+    """One registration recorded and not yet in the catalog."""
+
+    seq: int
+    registration: Registration
+    path: Path
+    accepted_at: float
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.registration.request.run, self.registration.request.step)
+
+
+def inbox_directory(resources: Resources) -> Path:
+    """On the node's SSD, beside the checkpoints it records; one per node and
+    catalog, like the memory arena (two agents never share one)."""
+    settings = resources.settings
+    return (
+        settings.local.roots[0]
+        / INBOX_DIR
+        / agent_directory_name(settings.server.node, settings.catalog.url)
+    )
+
+
+class RegistrationInbox:
+    """The agent's inbox (built with the agent: agent.py)."""
+
+    def __init__(
+        self, resources: Resources, registrations: RegistrationBatcher, directory: Path
+    ) -> None:
+        self.r = resources
+        self.registrations = registrations
+        self.directory = directory
+        self._entries: dict[int, Entry] = {}
+        self._by_key: dict[tuple[str, int], list[Entry]] = defaultdict(list)
+        self._by_run: dict[str, int] = defaultdict(int)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._seq = 0
+        self.refused = 0  # records the catalog refused after their answer
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- the request's side --------------------------------------------------------------
+
+    async def offer(self, registration: Registration) -> CheckpointOut | None:
+        """Record ``registration`` and return its answer if it creates a
+        checkpoint; None if the catalog holds the checkpoint already (the
+        caller writes it through the writer and reads the answer back).
+        Raises the writer's Conflict when the catalog would refuse it."""
+        request = registration.request
+        key = (request.run, request.step)
+        found = await read_whole(self.r, _found, request.run, request.step)
+        if found.exists:
+            return None
+        accepted_at = time.time()
+        registration = dataclasses.replace(registration, accepted_at=_naive_utc(accepted_at))
+        pending = self._by_key.get(key, [])
+        first = pending[0] if pending else None
+        plan = _new_plan(
+            request.run,
+            request.step,
+            first.registration.request if first else request,
+            first.accepted_at if first else accepted_at,
+        )
+        for index, entry in enumerate(pending):
+            _decide(plan, index, entry.registration)  # recorded: they pass
+        _decide(plan, len(pending), registration)  # raises the Conflict the writer would
+        if not plan.added or plan.added[-1][1] is not registration:
+            # The same content is recorded already: answered as a repeat is,
+            # once that record is in the catalog.
+            await self.settled(request.run, request.step)
+            return None
+        if not await self._record(registration, accepted_at):
+            return None
+        return answer_of_new(self.r, plan, found.children)
+
+    async def _record(self, registration: Registration, accepted_at: float) -> bool:
+        """Write the record (renamed into place: a kill -9 keeps it whole or
+        not at all) and start its way to the catalog; False if the SSD
+        refused it (full, gone): the caller then goes the writer's way."""
+        self._seq += 1
+        path = self.directory / f"{time.time_ns():020d}-{self._seq:08d}{RECORD_SUFFIX}"
+        entry = Entry(self._seq, registration, path, accepted_at)
+        # Indexed first: a rank of the same step arriving while a large
+        # record is written in a thread is decided against this one.
+        self._index(entry)
+        text = json.dumps(to_record(registration, accepted_at))
+        try:
+            if len(registration.scanned.files) <= INLINE_RECORD_FILES:
+                # A small file into the page cache: on the loop, cheaper than
+                # the thread hand-off.
+                _write_atomically(path, text)
+            else:
+                await asyncio.to_thread(_write_atomically, path, text)
+        except OSError as exc:
+            self._forget(entry)
+            log.warning("inbox: cannot record a registration (%s); written at once", exc)
+            return False
+        self._start(entry)
+        return True
+
+    def _index(self, entry: Entry) -> None:
+        self._entries[entry.seq] = entry
+        self._by_key[entry.key].append(entry)
+        self._by_run[entry.key[0]] += 1
+
+    def _start(self, entry: Entry) -> None:
+        task = asyncio.create_task(self._ingest(entry), name="register-inbox")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settled(self, run: str, step: int | None = None, timeout: float = 5.0) -> bool:
+        """Wait until the records of ``run`` (at ``step``) are in the catalog
+        (or refused); False if some still are not after ``timeout``."""
+        if not self._by_run.get(run):
+            return True
+        entries = [
+            e
+            for e in self._entries.values()
+            if e.key[0] == run and (step is None or e.key[1] == step)
+        ]
+        if not entries:
+            return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                for entry in entries:
+                    await entry.done.wait()
+                return True
+        return False
+
+    def answer_of(self, run: str, step: int) -> CheckpointOut | None:
+        """The detail of a checkpoint whose records are not in the catalog
+        yet (the catalog is slow or down): as its registration answered."""
+        entries = self._by_key.get((run, step))
+        if not entries:
+            return None
+        first = entries[0]
+        plan = _new_plan(run, step, first.registration.request, first.accepted_at)
+        for index, entry in enumerate(entries):
+            _decide(plan, index, entry.registration)
+        return answer_of_new(self.r, plan, [])
+
+    # -- the agent's side ----------------------------------------------------------------
+
+    def recover(self) -> int:
+        """Take up the records an earlier life of the agent left (in their
+        order); their writes start at once. Returns how many."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        found = 0
+        for path in sorted(self.directory.iterdir()):
+            if path.name.startswith("."):
+                path.unlink(missing_ok=True)  # a record cut off before its rename
+                continue
+            if not path.name.endswith(RECORD_SUFFIX):
+                continue
+            try:
+                registration, accepted_at = from_record(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("inbox record %s cannot be read (%s); moved aside", path, exc)
+                path.rename(path.with_name(f".unreadable-{path.name}"))
+                continue
+            self._seq += 1
+            entry = Entry(self._seq, registration, path, accepted_at)
+            self._index(entry)
+            self._start(entry)
+            found += 1
+        if found:
+            log.info("inbox: %d registration(s) recorded before a restart go to the catalog", found)
+        return found
+
+    async def _ingest(self, entry: Entry) -> None:
+        delay = RETRY_BASE
+        errors = 0  # failures other than an outage: a lock or statement timeout, a bug
+        try:
+            while True:
+                try:
+                    await self.registrations.submit(entry.registration)
+                    break
+                except ApiError as exc:
+                    if exc.status < 500:  # the catalog's decision (409): final
+                        self._refused(entry, exc.message)
+                        break
+                    reason = exc.message
+                except Exception as exc:
+                    reason = f"{type(exc).__name__}: {exc}"
+                    if not is_catalog_outage(exc):
+                        errors += 1
+                        if errors >= MAX_ERRORS:
+                            self._refused(entry, reason)
+                            break
+                log.warning(
+                    "inbox: %s step %s waits for the catalog (%s); retrying in %.1f s",
+                    *entry.key,
+                    reason,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX)
+            entry.path.unlink(missing_ok=True)
+        finally:
+            self._forget(entry)
+
+    def _refused(self, entry: Entry, reason: str) -> None:
+        self.refused += 1
+        metrics.count_registration_refused_late()
+        log.error(
+            "inbox: the catalog refused %s step %s rank %s after it was answered: %s",
+            *entry.key,
+            entry.registration.request.rank,
+            reason,
+        )
+
+    def _forget(self, entry: Entry) -> None:
+        if self._entries.pop(entry.seq, None) is None:
+            return
+        same = self._by_key.get(entry.key, [])
+        if entry in same:
+            same.remove(entry)
+        if not same:
+            self._by_key.pop(entry.key, None)
+        self._by_run[entry.key[0]] -= 1
+        if self._by_run[entry.key[0]] <= 0:
+            del self._by_run[entry.key[0]]
+        entry.done.set()
+
+    async def close(self, timeout: float) -> None:
+        """Let the records being written reach the catalog for up to
+        ``timeout`` seconds; those left stay on disk for the next start."""
+        tasks = list(self._tasks)
+        if not tasks:
+            return
+        _done, left = await asyncio.wait(tasks, timeout=timeout)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        if left:
+            log.warning("inbox: %d registration(s) left for the next start", len(left))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    try:
+        with open(scratch, "w") as fh:
+            fh.write(text)
+        os.rename(scratch, path)
+    except OSError:
+        scratch.unlink(missing_ok=True)
+        raise
+
+
+def _new_plan(run: str, step: int, first: RegisterRequest, accepted_at: float) -> Planned:
+    """A checkpoint not in the catalog yet, as the writer will create it (the
+    run's id is not needed: the answer names the run)."""
+    return Planned.creating((0, step), run, first, _naive_utc(accepted_at))
+
+
+def _naive_utc(timestamp: float) -> datetime:
+    """The catalog's time convention (models.utcnow): UTC without a zone."""
+    return datetime.fromtimestamp(timestamp, UTC).replace(tzinfo=None)
