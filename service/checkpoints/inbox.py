@@ -54,7 +54,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, literal, select, union_all
 from sqlalchemy.orm import Session
 
 from ..errors import ApiError, is_catalog_outage
@@ -82,18 +82,18 @@ INLINE_RECORD_FILES = 64
 # given up (logged, counted): an outage is waited out however long it lasts.
 MAX_ERRORS = 8
 
-_FOUND = (
-    select(CHECKPOINTS.c.id)
+# One statement (one round trip on PostgreSQL): the step's own row, if any,
+# and the checkpoints naming it their parent (the new one's answer lists them).
+_FOUND = union_all(
+    select(literal("self").label("kind"), RUNS.c.name, CHECKPOINTS.c.step)
     .join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
-    .where(RUNS.c.name == bindparam("run"), CHECKPOINTS.c.step == bindparam("step"))
-)
-_CHILDREN = (
-    select(RUNS.c.name, CHECKPOINTS.c.step)
+    .where(RUNS.c.name == bindparam("run"), CHECKPOINTS.c.step == bindparam("step")),
+    select(literal("child").label("kind"), RUNS.c.name, CHECKPOINTS.c.step)
     .join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
     .where(
         CHECKPOINTS.c.parent_run == bindparam("run"),
         CHECKPOINTS.c.parent_step == bindparam("step"),
-    )
+    ),
 )
 
 
@@ -106,10 +106,13 @@ class Found:
 
 
 def _found(session: Session, run: str, step: int) -> Found:
-    if session.execute(_FOUND, {"run": run, "step": step}).first() is not None:
-        return Found(True, [])
-    children = [(name, s) for name, s in session.execute(_CHILDREN, {"run": run, "step": step})]
-    return Found(False, children)
+    exists, children = False, []
+    for kind, name, child_step in session.execute(_FOUND, {"run": run, "step": step}):
+        if kind == "self":
+            exists = True
+        else:
+            children.append((name, child_step))
+    return Found(exists, children)
 
 
 def to_record(registration: Registration, accepted_at: float) -> dict[str, Any]:
