@@ -87,9 +87,11 @@ def posix_region(name: str, root: Path) -> dict[str, Any]:
 
 
 # `catalog=AT_COMMIT`: registrations answered at their commit, for tests of the
-# group commit's own path (by default a new checkpoint is answered from the
-# agent's inbox and committed behind the answer: checkpoints/inbox.py).
+# group commit's own path (the default on PostgreSQL); `catalog=RECORDED`: a
+# new checkpoint answered from the agent's inbox, committed behind the answer
+# (checkpoints/inbox.py; the default on SQLite).
 AT_COMMIT = {"register_ack": "committed"}
+RECORDED = {"register_ack": "recorded"}
 
 
 def make_settings(

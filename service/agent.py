@@ -100,7 +100,7 @@ class AgentProcess:
             resources.open_in_memory = self.memory.open_file
         # Registrations answered once recorded on the node (checkpoints/inbox.py).
         self.inbox: RegistrationInbox | None = None
-        if resources.settings.catalog.register_ack == "recorded":
+        if resources.settings.catalog.answer_at == "recorded":
             self.inbox = RegistrationInbox(resources, registrations, inbox_directory(resources))
         # Seconds the worker's running jobs get at close (None: shutdown_timeout).
         self._worker_grace: float | None = None

@@ -109,19 +109,20 @@ class CatalogSettings(BaseModel):
     """SQLAlchemy URL: `sqlite+aiosqlite://` for one agent, `postgresql+asyncpg://`
     for several agents sharing one catalog. Migrations run at `serve` start."""
 
-    register_ack: Literal["recorded", "committed", "on_disk"] = "recorded"
+    register_ack: Literal["auto", "recorded", "committed", "on_disk"] = "auto"
     """When a registration is answered. `recorded`: once recorded in the agent's
-    inbox on the node's SSD (`<first [local] root>/.tierckpt-inbox/`), after one
-    read of the catalog that refuses what it would refuse (409); the catalog's
-    write follows behind the answer (a checkpoint the catalog holds already,
-    e.g. another rank's, is answered as with `committed`). `committed`: once its
-    transaction has committed. Either survives a kill -9 of the agent and of the
-    trainer, and reaches the disk with the catalog's next log flush, started at
-    once (SQLite: the WAL's group fsync; PostgreSQL: `synchronous_commit = off`
-    for the registration writer). A power loss or kernel crash in that window
-    (milliseconds) can lose the registration, not its files: the client fsynced
-    them on T0, and registering them again brings it back. `on_disk`: once the
-    commit is on disk (a flush of the catalog's log on the trainer's path)."""
+    inbox on the node's SSD (`<first [local] root>/.tierckpt-inbox/`) after one
+    catalog read that refuses what the catalog would (409), its write behind the
+    answer (another rank of a checkpoint the catalog holds: as `committed`).
+    `committed`: once committed. Both survive a kill -9; a power loss within the
+    catalog's next log flush (milliseconds) can lose the registration, not its
+    files. `on_disk`: once on disk. `auto`: `recorded` on SQLite, else `committed`."""
+
+    @property
+    def answer_at(self) -> str:
+        """``register_ack`` with ``auto`` resolved."""
+        auto = "recorded" if self.is_sqlite else "committed"
+        return auto if self.register_ack == "auto" else self.register_ack
 
     @field_validator("url")
     @classmethod

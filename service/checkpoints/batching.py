@@ -14,7 +14,9 @@ answered. So a 202 still means "committed", and while one batch commits the
 next one gathers: with one request in flight, the latency is one transaction,
 under load the commit cost is shared. On SQLite the commit's fsync comes
 after the write lock is released (wal_sync.py); the next batch is written
-meanwhile. By default (``[catalog] register_ack = "committed"``) a batch is
+meanwhile. With ``[catalog] register_ack = "committed"`` (the default on
+PostgreSQL; on SQLite a new checkpoint is answered before, from the agent's
+inbox: inbox.py, the writer taking its record behind the answer) a batch is
 answered at its commit, its log flush following at once in the background
 (wal_sync's group fsync; ``synchronous_commit = off`` on PostgreSQL): a
 flush of the catalog's log costs milliseconds, tens on a disk the trainers'
@@ -105,7 +107,7 @@ class RegistrationBatcher:
         # where the write gate does not put the registrations first.
         self._sync_engine = create_sync_engine(self.engine, eager_lock=True)
         # Answer once committed, or once the commit is on disk too (config.py).
-        self.ack_on_disk = resources.settings.catalog.register_ack == "on_disk"
+        self.ack_on_disk = resources.settings.catalog.answer_at == "on_disk"
         self._writer_engine = create_writer_engine(self.engine, synchronous_commit=self.ack_on_disk)
         # Its own threads: the default executor may be queued with the
         # uploads' file reads and hashing.

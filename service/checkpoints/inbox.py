@@ -1,7 +1,7 @@
 """Registrations recorded on the node, written to the catalog behind the answer.
 
-With ``[catalog] register_ack = "recorded"`` (the default), a registration
-of a new checkpoint is answered once it is recorded in this agent's inbox,
+With ``[catalog] register_ack = "recorded"`` (the default on SQLite), a
+registration of a new checkpoint is answered once recorded in this agent's inbox,
 a directory on the node's SSD (``<first T0 root>/.tierckpt-inbox/``); the
 registration writer (batching.py) takes it to the catalog right after. So
 the trainer waits for the scan of its directory, one read of the catalog
@@ -36,6 +36,12 @@ Invariants:
 A record refused by the catalog after its answer (another agent registered
 the same rank with other content in the moment between the read and the
 write: one shared PostgreSQL catalog) is logged as an error and dropped.
+
+Why not on PostgreSQL by default (``auto``): there the writer's answer is
+one round trip (fresh_batch.py) and the read before a record is one too, so
+the inbox saves no wait, and its write behind the answer shares the node
+with the trainer's next request (benchmarks/README.md, "Register latency:
+answered from the node's inbox").
 """
 
 from __future__ import annotations

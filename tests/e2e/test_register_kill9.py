@@ -27,7 +27,7 @@ COUNT = 400
 CLIENTS = 32
 
 
-def _config(tmp_path: Path, catalog_url: str) -> tuple[Path, int, Path]:
+def _config(tmp_path: Path, catalog_url: str, **catalog: str) -> tuple[Path, int, Path]:
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     port = free_port()
@@ -40,7 +40,7 @@ def _config(tmp_path: Path, catalog_url: str) -> tuple[Path, int, Path]:
                 "node": "kill-node",
                 "rate_limit_per_second": 0,
             },
-            "catalog": {"url": catalog_url},
+            "catalog": {"url": catalog_url, **catalog},
             "local": {"roots": [str(ssd)]},
         },
         [{"name": "local", "kind": "posix", "root": str(tmp_path / "region")}],
@@ -131,11 +131,11 @@ def test_kill9_during_concurrent_registrations_loses_no_202(
 
 
 def test_kill9_after_an_answer_only_recorded_on_the_node(catalog_url: str, tmp_path: Path) -> None:
-    """The default `[catalog] register_ack = "recorded"`: a 202 given while the
+    """`[catalog] register_ack = "recorded"` (the default on SQLite): a 202 given while the
     catalog's write lock is held from outside (so the catalog cannot have
     the registration yet), then kill -9 of the agent: the restarted agent
     takes the record up, and the checkpoint becomes durable with its bytes."""
-    config, port, ssd = _config(tmp_path, catalog_url)
+    config, port, ssd = _config(tmp_path, catalog_url, register_ack="recorded")
     source = ssd / "step-3"
     source.mkdir()
     (source / "w.bin").write_bytes(b"recorded" * 1000)

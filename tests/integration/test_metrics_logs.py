@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from devsupport.agent import AT_COMMIT, posix_region, running_agent, write_checkpoint
+from devsupport.agent import AT_COMMIT, RECORDED, posix_region, running_agent, write_checkpoint
 from tierckpt.service.observability.logs import make_handler
 
 
@@ -87,8 +87,8 @@ async def test_json_lines_carry_request_id_and_job_context(
 async def test_a_recorded_register_line_says_where_the_time_went(
     catalog_url: str, tmp_path: Path, json_log: io.StringIO
 ) -> None:
-    """The default: answered from the inbox, the catalog's write behind it."""
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    """Answered from the inbox (the default on SQLite), the write behind it."""
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=RECORDED) as agent:
         ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 1024})
         answer = await agent.http.post(
             "/v1/checkpoints",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from devsupport.agent import running_agent, write_checkpoint
+from devsupport.agent import RECORDED, running_agent, write_checkpoint
 from devsupport.catalog_lock import catalog_write_lock, rows
 
 
@@ -24,9 +24,9 @@ def _records(agent_inbox: Path) -> list[Path]:
 async def test_register_is_answered_while_the_catalog_write_lock_is_held(
     catalog_url: str, tmp_path: Path
 ) -> None:
-    async with running_agent(catalog_url, tmp_path) as agent:
+    async with running_agent(catalog_url, tmp_path, catalog=RECORDED) as agent:
         inbox = agent.process.inbox
-        assert inbox is not None  # the default: [catalog] register_ack = "recorded"
+        assert inbox is not None  # the default on SQLite
         first = write_checkpoint(agent.ssd / "step-1", {"model.bin": 10_000, "opt.bin": 3})
         other = write_checkpoint(agent.ssd / "other", {"model.bin": 20_000})
         with catalog_write_lock(catalog_url):
@@ -64,7 +64,7 @@ async def test_register_is_answered_while_the_catalog_write_lock_is_held(
 async def test_a_checkpoint_the_catalog_holds_is_refused_or_added_as_before(
     catalog_url: str, tmp_path: Path
 ) -> None:
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=RECORDED) as agent:
         inbox = agent.process.inbox
         assert inbox is not None
         rank0 = write_checkpoint(agent.ssd / "r0", {"w.bin": 100})
@@ -88,7 +88,7 @@ async def test_the_ranks_of_a_new_checkpoint_recorded_together(
 ) -> None:
     """Ranks arriving while the first is still recorded only: each is decided
     against the others, and all reach the catalog as one checkpoint."""
-    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=RECORDED) as agent:
         dirs = [write_checkpoint(agent.ssd / f"r{rank}", {"w.bin": 10 + rank}) for rank in range(3)]
         with catalog_write_lock(catalog_url):
             for rank, path in enumerate(dirs):
@@ -103,6 +103,15 @@ async def test_the_ranks_of_a_new_checkpoint_recorded_together(
         detail = (await agent.http.get("/v1/runs/ranks/checkpoints/7")).json()
         assert sorted(s["rank"] for s in detail["shards"]) == [0, 1, 2]
         assert detail["total_bytes"] == 33
+
+
+async def test_the_default_is_the_inbox_on_sqlite_the_commit_on_postgresql(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    async with running_agent(catalog_url, tmp_path, start_worker=False) as agent:
+        recorded = agent.settings.catalog.is_sqlite
+        assert (agent.process.inbox is not None) == recorded
+        assert agent.settings.catalog.answer_at == ("recorded" if recorded else "committed")
 
 
 async def test_register_ack_committed_answers_at_the_commit(
