@@ -5,7 +5,7 @@
 * the registration writer (group commit, checkpoints/batching.py), always:
   routes reach it through a dependency (deps.py);
 * the registration inbox (checkpoints/inbox.py) with ``[catalog] register_ack
-  = "recorded"``: registrations answered once recorded on the node, written
+  = "recorded"`` (``auto`` on SQLite): registrations answered once recorded on the node, written
   to the catalog by the writer behind the answer; records an earlier life
   left are taken up at ``start()``;
 * the worker with a handler for every job kind (jobs/kinds.py), unless the
