@@ -42,9 +42,10 @@ AgentDep = Annotated[AgentProcess, Depends(get_agent)]
 async def settle_run(request: Request, agent: AgentDep) -> None:
     """Read your own registrations: a run-scoped route's run has its records
     in this agent's inbox written to the catalog first (checkpoints/inbox.py;
-    nothing to wait for, the usual case, is one dict lookup). A router-level
-    dependency of the run-scoped routers; the checkpoints router calls
-    ``settled`` itself, route by route (not `latest`, not the detail)."""
+    with nothing pending, the usual case, it costs next to nothing). A
+    dependency of the run-scoped routers, and of the checkpoints router's
+    routes one by one: not `latest` (durable only) nor the detail, which
+    answers from the record when the catalog is late (memory/lookup.py)."""
     run = request.path_params.get("run")
     if run is not None and agent.inbox is not None:
         await agent.inbox.settled(run)

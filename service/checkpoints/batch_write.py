@@ -4,7 +4,7 @@ the set-based plan that runs them in one transaction.
 The registration writer (batching.py) decides when a batch is written and
 what happens when it fails; this module decides what is written. Every
 refusal the catalog decides (409) is decided for a registration before any
-of its rows is written (``_decide``), so a refused registration leaves the
+of its rows is written (``decide``), so a refused registration leaves the
 rest of its batch intact. A row another agent inserted first
 (``ON CONFLICT DO NOTHING`` returning fewer rows) raises ``Raced``: the
 writer rolls the transaction back and writes the batch again.
@@ -209,7 +209,7 @@ def write_batch(
             # here moments (or, after an outage, long) later.
             plan = plans[key] = Planned.creating(key, request.run, request, item.accepted_at or now)
         try:
-            _decide(plan, index, item)
+            decide(plan, index, item)
         except ApiError as exc:
             results[index] = exc
             continue
@@ -227,7 +227,8 @@ def write_batch(
     records: dict[tuple[int, int], CheckpointOut] = {}
     for plan in plans.values():
         if plan.new and plan.added:
-            records[plan.key] = _record(resources, plan, children.get((plan.run, plan.key[1]), []))
+            children_of = children.get((plan.run, plan.key[1]), [])
+            records[plan.key] = answer_of_new(resources, plan, children_of)
     for plan in plans.values():
         for index, _reg in plan.added:
             results[index] = Outcome(created=True, record=records.get(plan.key))
@@ -240,7 +241,7 @@ def write_batch(
     return done, new_runs
 
 
-def _decide(plan: Planned, index: int, item: Registration) -> None:
+def decide(plan: Planned, index: int, item: Registration) -> None:
     """Same rules as one registration alone; raises before anything is written."""
     request = item.request
     if plan.world_size != request.world_size:
@@ -416,7 +417,11 @@ def _children(
     return children
 
 
-def _record(resources: Resources, plan: Planned, children: list[tuple[str, int]]) -> CheckpointOut:
+def answer_of_new(
+    resources: Resources, plan: Planned, children: list[tuple[str, int]]
+) -> CheckpointOut:
+    """The answer for a checkpoint ``plan`` creates, built from what is written
+    (the inbox builds it the same way before the write: inbox.py)."""
     first = plan.first
     assert first is not None
     node = resources.settings.server.node

@@ -10,7 +10,7 @@ checkpoints' children.
 When every checkpoint of a batch is new (a step's first registration, or
 all its ranks in one batch: what a trainer's registration usually is),
 nothing has to be read first: every rule a registration must pass is
-decided from the batch itself (batch_write._decide). One statement then
+decided from the batch itself (batch_write.decide). One statement then
 does it all, data-modifying CTEs chained by the ids they return, the batch's
 rows passed as JSON arrays (``jsonb_to_recordset``); the statement answers
 each new checkpoint's id and its children.

@@ -12,7 +12,7 @@ Invariants:
 
 * **Refusals stay synchronous.** Before anything is recorded, the catalog's
   row of the checkpoint is read (one snapshot, no lock) and the same rules as
-  the writer's (batch_write._decide) are applied to it together with the
+  the writer's (batch_write.decide) are applied to it together with the
   registrations of the same step still in the inbox: a different content,
   world size, or a failed or deleted checkpoint is a 409 at once.
 * **Only new checkpoints go through the inbox.** A registration of a
@@ -51,9 +51,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -67,9 +65,9 @@ from ..errors import ApiError, is_catalog_outage
 from ..names import agent_directory_name
 from ..observability import metrics
 from ..resources import Resources
+from ..whole_files import write_atomically
 from .batch_plan import Planned, Registration
-from .batch_write import _decide
-from .batch_write import _record as answer_of_new
+from .batch_write import answer_of_new, decide
 from .batching import RegistrationBatcher
 from .latest_answer import read_whole
 from .scan import ScannedFile, ScannedShard
@@ -121,8 +119,9 @@ def _found(session: Session, run: str, step: int) -> Found:
     return Found(exists, children)
 
 
-def to_record(registration: Registration, accepted_at: float) -> dict[str, Any]:
+def to_record(registration: Registration) -> dict[str, Any]:
     scanned = registration.scanned
+    assert registration.accepted_at is not None
     return {
         "request": registration.request.model_dump(mode="json", exclude_none=True),
         "directory": str(scanned.directory),
@@ -130,11 +129,11 @@ def to_record(registration: Registration, accepted_at: float) -> dict[str, Any]:
         "files": [[f.path, f.size, f.mtime_ns] for f in scanned.files],
         "hashes": registration.hashes,
         "fingerprint": registration.fingerprint,
-        "accepted_at": accepted_at,
+        "accepted_at": registration.accepted_at.replace(tzinfo=UTC).timestamp(),
     }
 
 
-def from_record(record: dict[str, Any]) -> tuple[Registration, float]:
+def from_record(record: dict[str, Any]) -> Registration:
     scanned = ScannedShard(
         directory=Path(record["directory"]),
         files=[ScannedFile(path, size, mtime_ns) for path, size, mtime_ns in record["files"]],
@@ -147,7 +146,7 @@ def from_record(record: dict[str, Any]) -> tuple[Registration, float]:
         fingerprint=record["fingerprint"],
         accepted_at=_naive_utc(record["accepted_at"]),
     )
-    return registration, record["accepted_at"]
+    return registration
 
 
 @dataclass
@@ -157,7 +156,6 @@ class Entry:
     seq: int
     registration: Registration
     path: Path
-    accepted_at: float
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -187,7 +185,6 @@ class RegistrationInbox:
         self.directory = directory
         self._entries: dict[int, Entry] = {}
         self._by_key: dict[tuple[str, int], list[Entry]] = defaultdict(list)
-        self._by_run: dict[str, int] = defaultdict(int)
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = 0
         self.refused = 0  # records the catalog refused after their answer
@@ -203,50 +200,39 @@ class RegistrationInbox:
         caller writes it through the writer and reads the answer back).
         Raises the writer's Conflict when the catalog would refuse it."""
         request = registration.request
-        key = (request.run, request.step)
         found = await read_whole(self.r, _found, request.run, request.step)
         if found.exists:
             return None
-        accepted_at = time.time()
-        registration = dataclasses.replace(registration, accepted_at=_naive_utc(accepted_at))
-        pending = self._by_key.get(key, [])
-        first = pending[0] if pending else None
-        plan = _new_plan(
-            request.run,
-            request.step,
-            first.registration.request if first else request,
-            first.accepted_at if first else accepted_at,
-        )
-        for index, entry in enumerate(pending):
-            _decide(plan, index, entry.registration)  # recorded: they pass
-        _decide(plan, len(pending), registration)  # raises the Conflict the writer would
+        registration = dataclasses.replace(registration, accepted_at=_naive_utc(time.time()))
+        plan = self._plan_of(request.run, request.step, registration)
+        decide(plan, len(plan.added), registration)  # raises the Conflict the writer would
         if not plan.added or plan.added[-1][1] is not registration:
             # The same content is recorded already: answered as a repeat is,
             # once that record is in the catalog.
             await self.settled(request.run, request.step)
             return None
-        if not await self._record(registration, accepted_at):
+        if not await self._record(registration):
             return None
         return answer_of_new(self.r, plan, found.children)
 
-    async def _record(self, registration: Registration, accepted_at: float) -> bool:
+    async def _record(self, registration: Registration) -> bool:
         """Write the record (renamed into place: a kill -9 keeps it whole or
         not at all) and start its way to the catalog; False if the SSD
         refused it (full, gone): the caller then goes the writer's way."""
         self._seq += 1
         path = self.directory / f"{time.time_ns():020d}-{self._seq:08d}{RECORD_SUFFIX}"
-        entry = Entry(self._seq, registration, path, accepted_at)
+        entry = Entry(self._seq, registration, path)
         # Indexed first: a rank of the same step arriving while a large
         # record is written in a thread is decided against this one.
         self._index(entry)
-        text = json.dumps(to_record(registration, accepted_at))
+        text = json.dumps(to_record(registration))
         try:
             if len(registration.scanned.files) <= INLINE_RECORD_FILES:
                 # A small file into the page cache: on the loop, cheaper than
                 # the thread hand-off.
-                _write_atomically(path, text)
+                write_atomically(path, text)
             else:
-                await asyncio.to_thread(_write_atomically, path, text)
+                await asyncio.to_thread(write_atomically, path, text)
         except OSError as exc:
             self._forget(entry)
             log.warning("inbox: cannot record a registration (%s); written at once", exc)
@@ -257,7 +243,6 @@ class RegistrationInbox:
     def _index(self, entry: Entry) -> None:
         self._entries[entry.seq] = entry
         self._by_key[entry.key].append(entry)
-        self._by_run[entry.key[0]] += 1
 
     def _start(self, entry: Entry) -> None:
         task = asyncio.create_task(self._ingest(entry), name="register-inbox")
@@ -267,13 +252,11 @@ class RegistrationInbox:
     async def settled(self, run: str, step: int | None = None, timeout: float = 5.0) -> bool:
         """Wait until the records of ``run`` (at ``step``) are in the catalog
         (or refused); False if some still are not after ``timeout``."""
-        if not self._by_run.get(run):
-            return True
-        entries = [
-            e
-            for e in self._entries.values()
-            if e.key[0] == run and (step is None or e.key[1] == step)
-        ]
+        # Records live milliseconds: the pending ones are few, when any.
+        if step is not None:
+            entries = list(self._by_key.get((run, step), []))
+        else:
+            entries = [e for key, same in self._by_key.items() if key[0] == run for e in same]
         if not entries:
             return True
         with contextlib.suppress(TimeoutError):
@@ -286,14 +269,22 @@ class RegistrationInbox:
     def answer_of(self, run: str, step: int) -> CheckpointOut | None:
         """The detail of a checkpoint whose records are not in the catalog
         yet (the catalog is slow or down): as its registration answered."""
-        entries = self._by_key.get((run, step))
-        if not entries:
+        if not self._by_key.get((run, step)):
             return None
-        first = entries[0]
-        plan = _new_plan(run, step, first.registration.request, first.accepted_at)
-        for index, entry in enumerate(entries):
-            _decide(plan, index, entry.registration)
+        plan = self._plan_of(run, step)
         return answer_of_new(self.r, plan, [])
+
+    def _plan_of(self, run: str, step: int, first: Registration | None = None) -> Planned:
+        """The checkpoint as the writer will create it from the step's records
+        (their first one creating it; ``first`` when there is none yet)."""
+        pending = self._by_key.get((run, step), [])
+        creator = pending[0].registration if pending else first
+        assert creator is not None and creator.accepted_at is not None
+        # The run's id is not needed: the answer names the run.
+        plan = Planned.creating((0, step), run, creator.request, creator.accepted_at)
+        for index, entry in enumerate(pending):
+            decide(plan, index, entry.registration)  # recorded: they pass
+        return plan
 
     # -- the agent's side ----------------------------------------------------------------
 
@@ -309,13 +300,13 @@ class RegistrationInbox:
             if not path.name.endswith(RECORD_SUFFIX):
                 continue
             try:
-                registration, accepted_at = from_record(json.loads(path.read_text()))
+                registration = from_record(json.loads(path.read_text()))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.error("inbox record %s cannot be read (%s); moved aside", path, exc)
                 path.rename(path.with_name(f".unreadable-{path.name}"))
                 continue
             self._seq += 1
-            entry = Entry(self._seq, registration, path, accepted_at)
+            entry = Entry(self._seq, registration, path)
             self._index(entry)
             self._start(entry)
             found += 1
@@ -373,9 +364,6 @@ class RegistrationInbox:
             same.remove(entry)
         if not same:
             self._by_key.pop(entry.key, None)
-        self._by_run[entry.key[0]] -= 1
-        if self._by_run[entry.key[0]] <= 0:
-            del self._by_run[entry.key[0]]
         entry.done.set()
 
     async def close(self, timeout: float) -> None:
@@ -390,23 +378,6 @@ class RegistrationInbox:
         await asyncio.gather(*left, return_exceptions=True)
         if left:
             log.warning("inbox: %d registration(s) left for the next start", len(left))
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    try:
-        with open(scratch, "w") as fh:
-            fh.write(text)
-        os.rename(scratch, path)
-    except OSError:
-        scratch.unlink(missing_ok=True)
-        raise
-
-
-def _new_plan(run: str, step: int, first: RegisterRequest, accepted_at: float) -> Planned:
-    """A checkpoint not in the catalog yet, as the writer will create it (the
-    run's id is not needed: the answer names the run)."""
-    return Planned.creating((0, step), run, first, _naive_utc(accepted_at))
 
 
 def _naive_utc(timestamp: float) -> datetime:

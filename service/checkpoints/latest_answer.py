@@ -81,19 +81,26 @@ async def read_latest_rows(
     event loop when ``inline`` is given (db.read_snapshot), else in one hop
     to a thread. PostgreSQL: on ``maker``'s pool, once more after a
     disconnect."""
-    if readers is not None:
-        return await read_snapshot(inline, readers, repo.latest_rows, run, min_regions, region)
-    return await _read_with_retry(maker, repo.latest_rows, run, min_regions, region)
+    return await _read(readers, inline, maker, repo.latest_rows, run, min_regions, region)
 
 
 async def read_whole(resources: Resources, read: Callable[..., T], *args: Any) -> T:
     """Any other whole read on the hot path, the way `latest`'s is read:
     ``read(session, *args)`` on SQLite's inline reader, else on the read pool."""
-    if resources.sync_readers is not None:
-        return await read_snapshot(resources.inline_readers, resources.sync_readers, read, *args)
-    return await _read_with_retry(
-        resources.read_sessionmaker or resources.sessionmaker, read, *args
-    )
+    maker = resources.read_sessionmaker or resources.sessionmaker
+    return await _read(resources.sync_readers, resources.inline_readers, maker, read, *args)
+
+
+async def _read(
+    readers: sessionmaker[Session] | None,
+    inline: sessionmaker[Session] | None,
+    maker: async_sessionmaker[AsyncSession],
+    read: Callable[..., T],
+    *args: Any,
+) -> T:
+    if readers is not None:
+        return await read_snapshot(inline, readers, read, *args)
+    return await _read_with_retry(maker, read, *args)
 
 
 async def _read_with_retry(

@@ -22,7 +22,6 @@ is fsynced here: a tmpfs has nothing to sync, and a reboot loses the memory
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ApiError, BadInput, Conflict, NotFound
+from ..whole_files import read_json, write_json_atomically
 from .spares import SparePool
 
 RESERVATION = "reservation.json"
@@ -94,19 +94,6 @@ class Segment:
             "t0_path": (self.registration or {}).get("path"),
             "error": self.failed,
         }
-
-
-def write_json_atomically(path: Path, value: Any) -> None:
-    scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    scratch.write_text(json.dumps(value, sort_keys=True))
-    os.rename(scratch, path)
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
 
 
 class Arena:

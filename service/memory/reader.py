@@ -15,7 +15,8 @@ import fcntl
 import os
 from pathlib import Path
 
-from .arena import DATA, FAILED, PREFIX, REGISTRATION, RESERVATION, read_json
+from ..whole_files import read_json
+from .arena import DATA, FAILED, PREFIX, REGISTRATION, RESERVATION
 from .persist import open_beneath
 
 

@@ -46,7 +46,8 @@ def _registration(step: int) -> Registration:
         directory=Path(f"/ssd/r/step-{step}"),
         files=[ScannedFile("model.safetensors", 10, 123), ScannedFile("sub/a.json", 2, 456)],
     )
-    return Registration(request, scanned, {"sub/a.json": "ab" * 32}, f"print-{step}")
+    accepted_at = datetime.fromtimestamp(float(step), UTC).replace(tzinfo=None)
+    return Registration(request, scanned, {"sub/a.json": "ab" * 32}, f"print-{step}", accepted_at)
 
 
 def _inbox(directory: Path, writer: Writer) -> RegistrationInbox:
@@ -61,19 +62,18 @@ def _write(directory: Path, name: str, record: dict[str, Any]) -> None:
 
 def test_a_record_reads_back_as_the_registration_it_was() -> None:
     registration = _registration(3)
-    back, accepted_at = from_record(json.loads(json.dumps(to_record(registration, 1.7e9))))
-    assert accepted_at == 1.7e9
+    back = from_record(json.loads(json.dumps(to_record(registration))))
     assert back.request == registration.request
     assert back.scanned == registration.scanned
     assert (back.hashes, back.fingerprint) == (registration.hashes, registration.fingerprint)
     # The checkpoint's created_at: when it was accepted (naive UTC, as the catalog's).
-    assert back.accepted_at == datetime.fromtimestamp(1.7e9, UTC).replace(tzinfo=None)
+    assert back.accepted_at == datetime.fromtimestamp(3.0, UTC).replace(tzinfo=None)
 
 
 async def test_a_restarted_agent_writes_the_records_it_finds_in_order(tmp_path: Path) -> None:
     directory = tmp_path / "inbox"
-    _write(directory, "00000000000000000002-00000001.json", to_record(_registration(2), 2.0))
-    _write(directory, "00000000000000000001-00000007.json", to_record(_registration(1), 1.0))
+    _write(directory, "00000000000000000002-00000001.json", to_record(_registration(2)))
+    _write(directory, "00000000000000000001-00000007.json", to_record(_registration(1)))
     _write(directory, "00000000000000000003-00000001.json", {"request": "cut"})
     (directory / ".00000000000000000004-00000001.json.abc").write_text("{")  # before its rename
     writer = Writer()
@@ -92,8 +92,8 @@ async def test_an_outage_is_waited_out_and_a_refusal_is_final(
 ) -> None:
     monkeypatch.setattr(inbox_module, "RETRY_BASE", 0.01)
     directory = tmp_path / "inbox"
-    _write(directory, "00000000000000000001-00000001.json", to_record(_registration(1), 1.0))
-    _write(directory, "00000000000000000002-00000001.json", to_record(_registration(2), 2.0))
+    _write(directory, "00000000000000000001-00000001.json", to_record(_registration(1)))
+    _write(directory, "00000000000000000002-00000001.json", to_record(_registration(2)))
     # Step 1: two outages, then written. Step 2: the catalog refuses it.
     writer = Writer(ConnectionError("refused"), ConnectionError("refused"), None, Conflict("no"))
     inbox = _inbox(directory, writer)
@@ -109,7 +109,7 @@ async def test_records_left_at_close_stay_for_the_next_start(
 ) -> None:
     monkeypatch.setattr(inbox_module, "RETRY_BASE", 0.01)
     directory = tmp_path / "inbox"
-    _write(directory, "00000000000000000001-00000001.json", to_record(_registration(1), 1.0))
+    _write(directory, "00000000000000000001-00000001.json", to_record(_registration(1)))
     writer = Writer(*[ConnectionError("down")] * 1000)
     inbox = _inbox(directory, writer)
     inbox.recover()
