@@ -78,6 +78,7 @@ log = logging.getLogger("tierckpt.register")
 
 INBOX_DIR = ".tierckpt-inbox"
 RECORD_SUFFIX = ".json"
+UNREADABLE_PREFIX = "unreadable-"
 RETRY_BASE, RETRY_MAX = 0.2, 10.0
 # A record of at most this many files is written on the event loop (tens of
 # microseconds), a larger one in a thread (the scan's own rule).
@@ -297,13 +298,16 @@ class RegistrationInbox:
             if path.name.startswith("."):
                 path.unlink(missing_ok=True)  # a record cut off before its rename
                 continue
-            if not path.name.endswith(RECORD_SUFFIX):
+            if not path.name.endswith(RECORD_SUFFIX) or path.name.startswith(UNREADABLE_PREFIX):
                 continue
             try:
                 registration = from_record(json.loads(path.read_text()))
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.error("inbox record %s cannot be read (%s); moved aside", path, exc)
-                path.rename(path.with_name(f".unreadable-{path.name}"))
+                kept = path.with_name(f"{UNREADABLE_PREFIX}{path.name}")
+                log.error("inbox record %s cannot be read (%s); kept as %s", path, exc, kept)
+                # Not a dot file (those are scratch files, removed above):
+                # kept for an operator across restarts, never retried.
+                path.rename(kept)
                 continue
             self._seq += 1
             entry = Entry(self._seq, registration, path)

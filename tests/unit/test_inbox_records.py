@@ -84,7 +84,10 @@ async def test_a_restarted_agent_writes_the_records_it_finds_in_order(tmp_path: 
     assert writer.written == [("r", 1), ("r", 2)]
     left = sorted(p.name for p in directory.iterdir())
     # Written records are removed; the unreadable one is kept aside, not retried.
-    assert left == [".unreadable-00000000000000000003-00000001.json"]
+    assert left == ["unreadable-00000000000000000003-00000001.json"]
+    # ... and still kept (not retried, not removed) by the next start.
+    assert _inbox(directory, Writer()).recover() == 0
+    assert sorted(p.name for p in directory.iterdir()) == left
 
 
 async def test_an_outage_is_waited_out_and_a_refusal_is_final(
