@@ -10,8 +10,10 @@ there, but never half of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -165,3 +167,64 @@ def test_kill9_after_an_answer_only_recorded_on_the_node(catalog_url: str, tmp_p
             stored = tmp_path / "region" / object_key("rec", 3, 0, "w.bin")
             assert stored.read_bytes() == b"recorded" * 1000
     assert not list((ssd / ".tierckpt-inbox").rglob("*.json"))
+
+
+def test_a_full_ssd_answers_at_the_commit_and_loses_nothing(
+    tmp_path: Path, tmpfs: Callable[[str, str], Path]
+) -> None:
+    """The inbox's SSD (the first local root) has no inode left: the record
+    cannot be written, so the registration goes the writer's way and is
+    answered at its commit, in the catalog before the answer. A kill -9
+    right after loses nothing; once restarted, the agent uploads it."""
+    full = tmpfs("full", "size=4m,nr_inodes=16")
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    catalog_url = f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"
+    port = free_port()
+    config = write_config(
+        tmp_path / "tierckpt.toml",
+        {
+            "server": {"host": "127.0.0.1", "port": port, "node": "full-node"},
+            "catalog": {"url": catalog_url, "register_ack": "recorded"},
+            "local": {"roots": [str(full), str(ssd)]},
+        },
+        [{"name": "local", "kind": "posix", "root": str(tmp_path / "region")}],
+    )
+    source = ssd / "step-5"
+    source.mkdir()
+    (source / "w.bin").write_bytes(b"full disk" * 1000)
+    log = tmp_path / "serve.log"
+    agent = ServeProcess(config, port, log, worker=False).start()
+    try:
+        inbox = next((full / ".tierckpt-inbox").iterdir())
+        filler = 0
+        with contextlib.suppress(OSError):  # ENOSPC: no inode left
+            while True:
+                (full / f"filler-{filler}").touch()
+                filler += 1
+        with pytest.raises(OSError):
+            (inbox / "probe.json").write_text("{}")
+        answer = httpx.post(
+            f"{agent.url}/v1/checkpoints",
+            json={"run": "full", "step": 5, "path": str(source)},
+            timeout=30,
+        )
+        assert answer.status_code == 202, answer.text
+        assert rows(catalog_url, "SELECT count(*) FROM checkpoints") == [(1,)]
+        agent.kill()
+    finally:
+        agent.kill()
+    assert "cannot record a registration" in log.read_text()
+    assert list(inbox.iterdir()) == []
+
+    with ServeProcess(config, port, log).start() as again:
+        with httpx.Client(base_url=again.url, timeout=30) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                detail = http.get("/v1/runs/full/checkpoints/5")
+                if detail.status_code == 200 and detail.json()["state"] == "durable":
+                    break
+                assert time.monotonic() < deadline, detail.text
+                time.sleep(0.1)
+    stored = tmp_path / "region" / object_key("full", 5, 0, "w.bin")
+    assert stored.read_bytes() == b"full disk" * 1000

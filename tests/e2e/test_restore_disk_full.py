@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,30 +19,6 @@ from devsupport.agent import write_checkpoint
 from devsupport.processes import ServeProcess, cli, free_port, write_config
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
-    mounted: list[Path] = []
-
-    def mount(name: str, options: str) -> Path:
-        point = tmp_path / name
-        point.mkdir()
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    try:
-        yield mount
-    finally:
-        for point in mounted:
-            subprocess.run(["umount", "-l", str(point)], check=False)
 
 
 @pytest.fixture
