@@ -8,8 +8,10 @@ by replicate jobs), retention and the scrubber on short intervals. A load
 process keeps ``IN_FLIGHT`` checkpoints of ``LOAD_BYTES`` each registered and
 not yet durable, so uploads, commits, replication, verification and retention
 run the whole time. Meanwhile the timed client registers a tiny checkpoint
-(one 4 KiB file), then asks for ``latest`` of its run, sequentially. The
-tiny checkpoints are uploaded too. The SeaweedFS server of this measurement
+(one 4 KiB file), then asks for ``latest`` of its run, sequentially; then
+it polls ``latest`` alone every 10 ms, as an orchestrator does (that
+``latest`` does not come at the moment its own registration's write and the
+worker's claim of it run). The tiny checkpoints are uploaded too. The SeaweedFS server of this measurement
 keeps its data on a tmpfs (/dev/shm when it exists): the store must not share
 the agent's disk, or the figure would be the store's writes competing with
 the catalog's fsyncs, not the agent's own work. The same agent with its
@@ -84,6 +86,8 @@ IN_FLIGHT = 3
 LOAD_FILES = 4
 LOAD_FILE_BYTES = 8 * MiB
 TARGET_P99_MS = 10.0
+# An orchestrator's poll of `latest`, apart from the register stream.
+POLL_SECONDS = 0.01
 # idle: worker off; load: the worker in its own process (worker_process.py);
 # load-other: the same load, registrations answered the other way ([catalog]
 # register_ack: "committed" on SQLite, "recorded" on PostgreSQL, where "auto",
@@ -419,6 +423,23 @@ def _timed_rows(
     return out
 
 
+def _timed_polls(agent: Agent, run_name: str, count: int) -> dict[str, list[float]]:
+    """``latest`` as an orchestrator asks it: polled every ``POLL_SECONDS``
+    under the same load, not right after a registration of the caller's own
+    (the register stream above asks it at the moment its registration's
+    write and the worker's claim of it run)."""
+    samples: list[float] = []
+    with CheckpointClient(agent.url) as client:
+        own = _AgentTimes(client)
+        for n in range(WARMUP + count):
+            time.sleep(POLL_SECONDS)
+            began = time.perf_counter()
+            client.latest(run_name)
+            if n >= WARMUP:
+                samples.append((time.perf_counter() - began) * 1000)
+    return {"latest_polled": samples, "server_latest_polled": own.after_warmup()["server_latest"]}
+
+
 def _timed_staged(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, list[float]]:
     """The trainer's default path (``TorchCheckpointer(staging="memory")``):
     reserve a segment in the agent's memory tier, write the tiny file into
@@ -515,6 +536,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                 samples = _timed(
                                     agent, ctx.ssd / name / f"rep{rep}", f"bench-tiny-{rep}", count
                                 )
+                                samples.update(_timed_polls(agent, f"bench-tiny-{rep}", count))
                                 # The memory tier needs the worker (it persists
                                 # the segments): not in the idle mode.
                                 staged = (
@@ -535,7 +557,8 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                 f"p50 {percentile(samples['register'], 50):.1f} ms, p99 "
                                 f"{percentile(samples['register'], 99):.1f} ms, max "
                                 f"{max(samples['register']):.1f} ms; latest p99 "
-                                f"{percentile(samples['latest'], 99):.1f} ms; fsync p99 "
+                                f"{percentile(samples['latest'], 99):.1f} ms (polled: "
+                                f"{percentile(samples['latest_polled'], 99):.1f} ms); fsync p99 "
                                 f"{percentile(samples['fsync'] or [0.0], 99):.1f} ms"
                                 + (
                                     "; memory segment register p99 "
@@ -575,6 +598,16 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     f"server_{call}",
                     target=mode == "load",
                 )
+    for catalog_name, per_mode in results.items():
+        for mode in ("load", "load-other", "idle"):
+            rows += _timed_rows(
+                f"{catalog_name} latest polled every {POLL_SECONDS * 1000:.0f} ms "
+                f"(an orchestrator, apart from registrations), {labels[mode]}",
+                per_mode[mode],
+                "latest_polled",
+                "server_latest_polled",
+                target=mode == "load",
+            )
     # The trainer's default path: a memory segment's register, and its
     # whole stall (reserve + write + register).
     for catalog_name, per_mode in results.items():
