@@ -11,10 +11,11 @@ run the whole time. Meanwhile the timed client registers a tiny checkpoint
 (one 4 KiB file), then asks for ``latest`` of its run, sequentially; then
 it polls ``latest`` alone every 10 ms, as an orchestrator does (that
 ``latest`` does not come at the moment its own registration's write and the
-worker's claim of it run). The tiny checkpoints are uploaded too. The SeaweedFS server of this measurement
-keeps its data on a tmpfs (/dev/shm when it exists): the store must not share
-the agent's disk, or the figure would be the store's writes competing with
-the catalog's fsyncs, not the agent's own work. The same agent with its
+worker's claim of it run). The tiny checkpoints are uploaded too. The
+SeaweedFS server of this measurement keeps its data on a tmpfs (/dev/shm
+when it exists): the store must not share the agent's disk, or the figure
+would be the store's writes competing with the catalog's fsyncs, not the
+agent's own work. The same agent with its
 worker off (nothing uploads) gives the idle figure beside it, and the same
 load with the worker in its own process (``[worker] separate_process =
 "yes"``, the default with PostgreSQL) and in the agent's (``"no"``, the

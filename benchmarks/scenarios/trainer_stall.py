@@ -3,8 +3,10 @@
 One PyTorch training state — an MLP's weights plus AdamW's two moments (3×
 the parameter bytes), scheduler and RNG states — is checkpointed by each
 variant, ``ctx.reps`` times (once with ``--quick``) in a rotating order,
-``sync`` before each. Full mode measures two sizes (~600 MB and ~2 GB),
-quick mode one small one (~151 MB).
+``sync`` before each; one optimizer step before each repetition changes
+every weight and moment, so each save holds new bytes, as a trainer's do.
+Full mode measures two sizes (~600 MB and ~2 GB), quick mode one small one
+(~151 MB).
 
 - ``bare copy``: the same tensors' bytes copied (``Tensor.copy_``) into one
   file in ``/dev/shm``, preallocated, mapped shared (``torch.from_file``) and
@@ -38,7 +40,12 @@ quick mode one small one (~151 MB).
   training goes on; ``torch.save + boto3``, ``torch.save`` into memory then
   one ``upload_fileobj``. These two keep their ratio to tierckpt's stall.
 
-The boto3 client is ``ctx.s3()`` (CRC checksums only when required).
+Uploads (tierckpt's and the boto3 baselines') go to a SeaweedFS server whose
+data is on a tmpfs (``tmpfs_store``), emptied after each repetition: a remote
+store shares nothing with the agent's disk, and one on that disk would make
+the memory tier's T0 write, which runs after the save returns, compete with
+the store's own writes of the same upload. The boto3 client is configured as
+``ctx.s3()`` is (CRC checksums only when required).
 Skipped, with the reason, when PyTorch is not installed.
 """
 
@@ -54,10 +61,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from devsupport.seaweed import SeaweedServer, boto3_client
 from tierckpt.client import CheckpointClient
 
-from ..context import BASELINE_PREFIX, BenchContext, log, settle
+from ..context import BASELINE_PREFIX, BenchContext, log, s3_region, settle
 from ..stats import ratios, row
+from ..tmpfs_store import empty, tmpfs_seaweed
 
 NAME = "trainer_stall"
 TITLE = "Trainer stall per checkpoint: copy into memory, disk staging, torch.save, DCP, S3 (s)"
@@ -90,11 +99,20 @@ def _model(torch: Any, width: int) -> tuple[Any, Any, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)
     # One real step so AdamW holds its moments (the state a resume needs).
+    _train_step(torch, model, optimizer, scheduler, width)
+    return model, optimizer, scheduler
+
+
+def _train_step(torch: Any, model: Any, optimizer: Any, scheduler: Any, width: int) -> None:
+    """One optimizer step: every weight and moment changes in place, as
+    between a trainer's saves. Without it each save would repeat the bytes
+    of the one before, and the agent would deduplicate its upload into
+    server-side copies (uploads/dedup.py): save → durable would time a
+    copy, not the upload of a new checkpoint."""
     model(torch.randn(8, width)).sum().backward()
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return model, optimizer, scheduler
 
 
 def _tensors(torch: Any, model: Any, optimizer: Any) -> list[Any]:
@@ -133,6 +151,7 @@ def _measure_size(
     ctx: BenchContext,
     torch: Any,
     client: CheckpointClient,
+    store: SeaweedServer,
     width: int,
     *,
     with_s3: bool,
@@ -147,7 +166,7 @@ def _measure_size(
     tensors = _tensors(torch, model, optimizer)
     tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
     run_name = f"{RUN}-{width}"
-    s3 = ctx.s3()
+    s3 = boto3_client(store.endpoint_url)  # as ctx.s3(), on the tmpfs store
     scratch = ctx.work / "trainer-stall"
     scratch.mkdir(exist_ok=True)
     names = [BARE, MEMORY, DISK, TORCH_SAVE, DCP] + ([WRITE_BOTO3, SAVE_BOTO3] if with_s3 else [])
@@ -284,6 +303,8 @@ def _measure_size(
     try:
         for rep in range(reps):
             step = rep + 1
+            # New bytes for this repetition's saves (outside every timing).
+            _train_step(torch, model, optimizer, scheduler, width)
             for offset in range(len(variants)):
                 settle()
                 variants[(rep + offset) % len(variants)](step)
@@ -291,6 +312,9 @@ def _measure_size(
                 f"trainer stall {tensor_bytes / 1e6:.0f} MB rep {rep + 1}/{reps}: "
                 + ", ".join(f"{name} {results[name][-1]:.2f} s" for name in names)
             )
+            # The tmpfs is memory: this repetition's objects (all durable,
+            # measured) give their room back before the next one.
+            empty(store, ctx.bucket)
     finally:
         arena.close()
 
@@ -405,16 +429,28 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     widths = QUICK_WIDTHS if ctx.quick else FULL_WIDTHS
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
-    with CheckpointClient(ctx.agent.url, timeout=120) as client:
-        for index, width in enumerate(widths):
-            size_rows, size_details = _measure_size(ctx, torch, client, width, with_s3=index == 0)
-            rows += size_rows
-            details[f"{size_details['tensor_bytes'] / 1e6:.0f} MB"] = size_details
-            gc.collect()  # the previous size's model and state before the next one
+    # The uploads go to a store whose data is on a tmpfs: a remote store does
+    # not share the agent's disk, where the memory tier's T0 write (after the
+    # save returns) would otherwise compete with the store's own writes.
+    with tmpfs_seaweed(ctx.work, (ctx.bucket,)) as (store, where):
+        agent = ctx.start_agent("stall", regions=[s3_region("east", store)])
+        try:
+            with CheckpointClient(agent.url, timeout=120) as client:
+                for index, width in enumerate(widths):
+                    size_rows, size_details = _measure_size(
+                        ctx, torch, client, store, width, with_s3=index == 0
+                    )
+                    rows += size_rows
+                    details[f"{size_details['tensor_bytes'] / 1e6:.0f} MB"] = size_details
+                    gc.collect()  # the previous size's model and state before the next one
+        finally:
+            ctx.stop_agent(agent)
     log(f"trainer stall target: {TARGET}; {DURABLE_TARGET}")
     return {
         "rows": rows,
         "notes": [
+            f"S3 (uploads of tierckpt and of the boto3 baselines): a SeaweedFS server whose "
+            f"data is on a tmpfs ({where}), emptied after each repetition, not the agent's disk.",
             "One training state per size (MLP weights + AdamW moments + scheduler + RNGs); "
             f"{1 if ctx.quick else ctx.reps} repetition(s) per size, rotating order, "
             "sync before each. Sizes are the tensors' bytes.",

@@ -37,7 +37,7 @@ from ..checkpoints.schemas import RegisterRequest
 from ..checkpoints.service import submit_scanned
 from ..errors import ApiError
 from ..resources import Resources
-from ..storage.posix import _kernel_copy
+from . import direct_copy
 from .arena import Arena, Segment
 
 log = logging.getLogger("tierckpt.memory")
@@ -80,7 +80,7 @@ def open_beneath(root: Path, relative: str) -> int:
 
 
 def copy_file(segment: Segment, relative: str, destination: Path) -> None:
-    """An in-kernel copy (copy_file_range or sendfile), then fsync."""
+    """A direct write around the page cache (direct_copy.py), then fsync."""
     try:
         src = open_beneath(segment.data, relative)
     except OSError as exc:  # a symlink on the way, or the file is gone
@@ -90,9 +90,9 @@ def copy_file(segment: Segment, relative: str, destination: Path) -> None:
         ) from exc
     size = segment.files[relative]
     try:
-        dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        dst = direct_copy.create(destination)
         try:
-            _kernel_copy(src, dst, size)
+            direct_copy.copy(src, dst, size)
             # The registered mtime: the upload's and the T0 checks compare it.
             info = os.fstat(src)
             os.utime(dst, ns=(info.st_atime_ns, info.st_mtime_ns))

@@ -252,7 +252,7 @@ def _copy_atomic(source: Path, path: Path, size: int) -> None:
         dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
-                _kernel_copy(src, dst, size)
+                kernel_copy(src, dst, size)
                 os.fsync(dst)
             finally:
                 os.close(dst)
@@ -265,7 +265,7 @@ def _copy_atomic(source: Path, path: Path, size: int) -> None:
         os.close(src)
 
 
-def _kernel_copy(src: int, dst: int, size: int) -> None:
+def kernel_copy(src: int, dst: int, size: int) -> None:
     copied = 0
     use_range = hasattr(os, "copy_file_range")
     while copied < size:
