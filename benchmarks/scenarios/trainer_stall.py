@@ -379,7 +379,7 @@ def _measure_size(
             durable[MEMORY],
             ratio_label="memory / disk",
             ratio_values=ratios(durable[MEMORY], durable[DISK]),
-            note="not a stall; the agent writes T0, then uploads",
+            note="not a stall; the agent uploads from the segment while it writes T0",
         ),
     ]
     s3_notes = {
@@ -467,7 +467,8 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             "Disk staging: the stall is the local write (fsynced safetensors + JSON, renamed "
             "into place) and one register call; the upload to S3 happens in the agent "
             "afterwards. Memory staging: the stall is the copy into the agent's memory tier "
-            "and one register call; the agent writes T0 and uploads afterwards.",
+            "and one register call; the agent uploads it afterwards, from the segment, "
+            "while it writes T0.",
             "DCP async_save's stall is until it returns (its copy into memory); its future "
             "completing (files written and fsynced by DCP's writer) is not a stall.",
             "The boto3 rows are measured on the first size only.",
