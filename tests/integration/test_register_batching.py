@@ -294,16 +294,21 @@ async def test_the_flag_for_the_worker_process_is_up_from_submit_until_the_lock_
         batcher = agent.process.registrations
         seen: list[bool] = []
         real = batcher._sync_transaction
+        returned = threading.Event()
 
         def spy(*args: Any) -> Any:
             seen.append(flag.raised())  # before BEGIN: up
             out = real(*args)
             seen.append(flag.raised())  # the batch took the lock: down
+            returned.set()
             return out
 
         monkeypatch.setattr(batcher, "_sync_transaction", spy)
         path = write_checkpoint(agent.ssd / "a", {"w.bin": b"a"})
         assert (await agent.register("r", 1, path)).status_code == 202
+        # The answer can reach the client before the writer's thread is back
+        # from the transaction (it is given at the commit, inside it).
+        assert await asyncio.to_thread(returned.wait, 10)
         assert seen == [True, False]
         assert not flag.raised()
 
