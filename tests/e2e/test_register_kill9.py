@@ -132,6 +132,18 @@ def test_kill9_during_concurrent_registrations_loses_no_202(
                 assert answer.status_code in (200, 202), answer.text
 
 
+def _wait_durable(url: str, run: str, step: int, timeout: float = 60) -> None:
+    """Until the restarted agent at ``url`` reports ``run``:``step`` durable."""
+    with httpx.Client(base_url=url, timeout=30) as http:
+        deadline = time.monotonic() + timeout
+        while True:
+            detail = http.get(f"/v1/runs/{run}/checkpoints/{step}")
+            if detail.status_code == 200 and detail.json()["state"] == "durable":
+                return
+            assert time.monotonic() < deadline, detail.text
+            time.sleep(0.1)
+
+
 def test_kill9_after_an_answer_only_recorded_on_the_node(catalog_url: str, tmp_path: Path) -> None:
     """`[catalog] register_ack = "recorded"` (the default on SQLite): a 202 given while the
     catalog's write lock is held from outside (so the catalog cannot have
@@ -156,16 +168,9 @@ def test_kill9_after_an_answer_only_recorded_on_the_node(catalog_url: str, tmp_p
         agent.kill()
     assert rows(catalog_url, "SELECT count(*) FROM checkpoints") == [(0,)]
     with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
-        with httpx.Client(base_url=again.url, timeout=30) as http:
-            deadline = time.monotonic() + 60
-            while True:
-                detail = http.get("/v1/runs/rec/checkpoints/3")
-                if detail.status_code == 200 and detail.json()["state"] == "durable":
-                    break
-                assert time.monotonic() < deadline, detail.text
-                time.sleep(0.1)
-            stored = tmp_path / "region" / object_key("rec", 3, 0, "w.bin")
-            assert stored.read_bytes() == b"recorded" * 1000
+        _wait_durable(again.url, "rec", 3)
+        stored = tmp_path / "region" / object_key("rec", 3, 0, "w.bin")
+        assert stored.read_bytes() == b"recorded" * 1000
     assert not list((ssd / ".tierckpt-inbox").rglob("*.json"))
 
 
@@ -218,13 +223,6 @@ def test_a_full_ssd_answers_at_the_commit_and_loses_nothing(
     assert list(inbox.iterdir()) == []
 
     with ServeProcess(config, port, log).start() as again:
-        with httpx.Client(base_url=again.url, timeout=30) as http:
-            deadline = time.monotonic() + 60
-            while True:
-                detail = http.get("/v1/runs/full/checkpoints/5")
-                if detail.status_code == 200 and detail.json()["state"] == "durable":
-                    break
-                assert time.monotonic() < deadline, detail.text
-                time.sleep(0.1)
+        _wait_durable(again.url, "full", 5)
     stored = tmp_path / "region" / object_key("full", 5, 0, "w.bin")
     assert stored.read_bytes() == b"full disk" * 1000
