@@ -47,13 +47,10 @@ checkpoint's size.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
 import re
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,9 +64,10 @@ from devsupport.seaweed import SeaweedServer
 from tierckpt.client import CheckpointClient
 from tierckpt.client._files import fsync_file
 
-from ..context import VOLUME_SIZE_LIMIT_MB, Agent, BenchContext, log, s3_region
+from ..context import Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
 from ..stats import percentile, ratios, row
+from ..tmpfs_store import tmpfs_seaweed
 
 # The agent's phases of a registration, as its request log names them.
 PHASES = ("scan", "record", "queued", "gate", "lock", "write", "commit", "sync")
@@ -112,23 +110,6 @@ def run(ctx: BenchContext) -> dict[str, Any]:
 
 
 # -- under upload load ----------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _tmpfs_seaweed(ctx: BenchContext) -> Iterator[tuple[SeaweedServer, str]]:
-    """A SeaweedFS server whose data is on a tmpfs, and where."""
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else ctx.work
-    data = Path(tempfile.mkdtemp(prefix="tierckpt-bench-s3-", dir=base))
-    server = SeaweedServer(data, volume_size_limit_mb=VOLUME_SIZE_LIMIT_MB)
-    try:
-        server.start()
-        for bucket in ("bench", "bench-west"):
-            server.create_bucket(bucket)
-        yield server, str(base)
-    finally:
-        server.stop()
-        shutil.rmtree(data, ignore_errors=True)
 
 
 def _loaded_agent(
@@ -507,7 +488,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
     reps = max(1, min(ctx.reps, 2 if ctx.quick else 3))
     results: dict[str, dict[str, list[dict[str, list[float]]]]] = {}
     load_totals: dict[str, Any] = {}
-    with _tmpfs_seaweed(ctx) as (store, store_dir):
+    with tmpfs_seaweed(ctx.work, ("bench", "bench-west")) as (store, store_dir):
         for catalog_name in _catalogs():
             databases: list[str] = []
             try:
