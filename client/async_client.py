@@ -20,6 +20,7 @@ from ._api import DEFAULT_URL, USER_AGENT
 from ._core import ClientCore, public_method
 from ._download import TransferOptions
 from ._effects import Flow
+from ._responses import detached
 from .restore import restore_from_local
 
 T = TypeVar("T")
@@ -138,7 +139,7 @@ class AsyncCheckpointClient(ClientCore):
     async def _perform(self, request: _effects.Effect) -> Any:
         match request:
             case _effects.Http(call):
-                return await self._http.request(**_api.request_args(call, self._token))
+                return detached(await self._http.request(**_api.request_args(call, self._token)))
             case _effects.Sleep(seconds):
                 await asyncio.sleep(seconds)
             case _effects.Download() as download:

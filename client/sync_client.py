@@ -23,6 +23,7 @@ from ._closing import ClosesOnExit
 from ._core import ClientCore, public_method
 from ._download import TransferOptions
 from ._effects import Flow
+from ._responses import detached
 from .restore import restore_from_local
 
 T = TypeVar("T")
@@ -150,7 +151,7 @@ class CheckpointClient(ClosesOnExit, ClientCore):
     def _perform(self, request: _effects.Effect) -> Any:
         match request:
             case _effects.Http(call):
-                return self._http.request(**_api.request_args(call, self._token))
+                return detached(self._http.request(**_api.request_args(call, self._token)))
             case _effects.Sleep(seconds):
                 time.sleep(seconds)
             case _effects.Download() as download:
