@@ -47,6 +47,7 @@ checkpoint's size.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -288,6 +289,31 @@ class _Floor:
             os.close(fd)
 
 
+class _ClientCollections:
+    """Python's cyclic collections in this process (the timed client's, as a
+    trainer's would be) while the timed streams run, each one's milliseconds.
+    A collection stops the thread that triggers it, inside whichever call
+    allocates at that moment; what the client leaves in reference cycles
+    (client/_responses.py) is what brings them about."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._began = 0.0
+
+    def __enter__(self) -> _ClientCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.ms.append((time.perf_counter() - self._began) * 1000)
+
+
 def _logged(log_path: Path, request_id: str) -> Iterator[dict[str, Any]]:
     """The agent's request-log entries (JSON lines) of the requests sent with
     ``request_id``, in order."""
@@ -514,7 +540,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                             load.start()
                             load.wait_steady()  # uploads, commits and replication under way
                         for rep in range(reps):
-                            with _Floor(ctx.work / name) as floor:
+                            with _Floor(ctx.work / name) as floor, _ClientCollections() as gcs:
                                 samples = _timed(
                                     agent, ctx.ssd / name / f"rep{rep}", f"bench-tiny-{rep}", count
                                 )
@@ -533,6 +559,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                 )
                             samples.update({f"segment_{k}": v for k, v in staged.items()})
                             samples["fsync"], samples["wake"] = floor.fsync, floor.wake
+                            samples["client_gc"] = gcs.ms
                             per_mode[mode].append(samples)
                             log(
                                 f"register latency {catalog_name} {mode} rep {rep + 1}/{reps}: "
@@ -640,6 +667,13 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                             values,
                         )
                     )
+    for catalog_name, per_mode in results.items():
+        for mode in ("load", "idle"):
+            rounds = [s.get("client_gc", []) for s in per_mode[mode]]
+            if rounds:
+                label = f"{catalog_name} timed client's cyclic collections, {labels[mode]}"
+                rows.append(row(label, "count", "", [float(len(r)) for r in rounds]))
+                rows.append(row(label, "ms in all", "ms", [sum(r) for r in rounds]))
     notes = [
         f"target: register and latest p99 ≤ {TARGET_P99_MS:.0f} ms under upload load, "
         "on SQLite and on PostgreSQL.",
@@ -681,6 +715,11 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "statements), commit (SQLite: the COMMIT, which releases the lock; PostgreSQL: in "
         "write, its WAL flush after the answer by default), sync (SQLite, only with "
         'register_ack = "on_disk": the fsync of the WAL the answer waits for).',
+        "timed client's cyclic collections: Python's collector in the benchmark's process "
+        "(the trainer's, for the client) during each round's three timed streams "
+        f"({3 * (WARMUP + count)} register, latest and memory-segment calls and their "
+        "follow-ups), count and time in all per round: each one stops the calling thread "
+        "inside whichever call triggers it.",
         f"load process: {json.dumps(load_totals)}",
     ]
     return rows, notes, {"count": count, "rounds": results, "load": load_totals}
