@@ -41,7 +41,9 @@ class ScannedShard:
         return sum(f.size for f in self.files)
 
 
-def _root_of(resolved: Path, roots: list[Path]) -> Path | None:
+def root_of(resolved: Path, roots: list[Path]) -> Path | None:
+    """The local root (resolved) that ``resolved`` lies in, or None: the
+    path confinement every checkpoint directory and segment target obeys."""
     for root in roots:
         real_root = Path(os.path.realpath(root))
         if resolved == real_root or resolved.is_relative_to(real_root):
@@ -49,7 +51,8 @@ def _root_of(resolved: Path, roots: list[Path]) -> Path | None:
     return None
 
 
-def _check_name(relative: str, max_path_length: int) -> None:
+def check_name(relative: str, max_path_length: int) -> None:
+    """BadInput for a file name the catalog and the regions cannot hold."""
     if len(relative.encode()) > max_path_length:
         raise BadInput(
             f"file path {relative[:80]!r}… is longer than {max_path_length} bytes",
@@ -89,7 +92,7 @@ def scan(
     if not candidate.is_absolute():
         raise BadInput(f"path {path!r} must be absolute", code="path_not_absolute")
     resolved = Path(os.path.realpath(candidate))
-    root = _root_of(resolved, roots)
+    root = root_of(resolved, roots)
     if root is None:
         allowed = ", ".join(str(r) for r in roots)
         raise BadInput(
@@ -107,7 +110,7 @@ def scan(
         ) from exc
 
     if stat.S_ISREG(info.st_mode):
-        _check_name(resolved.name, max_path_length)
+        check_name(resolved.name, max_path_length)
         return ScannedShard(
             directory=resolved.parent,
             files=[ScannedFile(resolved.name, info.st_size, info.st_mtime_ns)],
@@ -133,11 +136,11 @@ def scan(
         for entry in entries:
             full = Path(entry.path)
             relative = full.relative_to(resolved).as_posix()
-            _check_name(relative, max_path_length)
+            check_name(relative, max_path_length)
             entry_info = entry.stat(follow_symlinks=False)
             if stat.S_ISLNK(entry_info.st_mode):
                 target = Path(os.path.realpath(full))
-                if _root_of(target, [root]) is None:
+                if root_of(target, [root]) is None:
                     raise BadInput(
                         f"{relative} is a symlink to {target}, outside the local root {root}",
                         code="symlink_outside_roots",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ...client._files import fsync_dir
 from ..checkpoints.batching import RegistrationBatcher
-from ..checkpoints.scan import ScannedFile, ScannedShard, _root_of
+from ..checkpoints.scan import ScannedFile, ScannedShard, root_of
 from ..checkpoints.schemas import RegisterRequest
 from ..checkpoints.service import submit_scanned
 from ..errors import ApiError
@@ -104,7 +104,7 @@ def copy_file(segment: Segment, relative: str, destination: Path) -> None:
 
 
 def _confined(directory: Path, roots: list[Path]) -> None:
-    if _root_of(Path(os.path.realpath(directory)), roots) is None:
+    if root_of(Path(os.path.realpath(directory)), roots) is None:
         raise TargetTaken(f"{directory} no longer resolves under the configured local roots")
 
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from ..checkpoints.batching import RegistrationBatcher
 from ..checkpoints.presenter import Listing, NewCheckpoint, NewShard, checkpoint_document
-from ..checkpoints.scan import _check_name, _root_of
+from ..checkpoints.scan import check_name, root_of
 from ..checkpoints.schemas import MAX_STEP, RegisterRequest, StrictModel
 from ..config import Settings
 from ..draining import DrainState
@@ -69,7 +69,7 @@ def _relative_path(path: str, max_length: int) -> str:
             f"files[].path {path!r} must be relative, without empty, '.' or '..' parts",
             code="invalid_file_name",
         )
-    _check_name(clean, max_length)
+    check_name(clean, max_length)
     return clean
 
 
@@ -201,7 +201,7 @@ class MemoryTier:
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         resolved = Path(os.path.realpath(existing))
-        if _root_of(resolved, self.local.roots) is None:
+        if root_of(resolved, self.local.roots) is None:
             roots = ", ".join(str(r) for r in self.local.roots)
             raise BadInput(
                 f"path {path!r} is outside the configured local roots ({roots})",
