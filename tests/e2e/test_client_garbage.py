@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from devsupport.agent import write_checkpoint
+from devsupport.agent import posix_region, write_checkpoint
 from devsupport.processes import ServeProcess, free_port, write_config
 from tierckpt.client import AsyncCheckpointClient, CheckpointClient
 
@@ -41,7 +41,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]
             "catalog": {"url": f"sqlite+aiosqlite:///{home / 'catalog.db'}"},
             "local": {"roots": [str(ssd)]},
         },
-        [{"name": "local", "kind": "posix", "root": str(home / "region")}],
+        [posix_region("local", home / "region")],
     )
     # No worker: nothing becomes durable, so `latest` answers 404 (an error
     # answer is a call too) and the detail says "registered".
