@@ -55,8 +55,14 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/tierckpt serve $(if $(CONFIG),--config $(CONFIG))
 
+# The suite runs on TEST_WORKERS pytest-xdist workers: most of its time is
+# spent waiting on real processes (agents starting, uploads, SIGKILLed
+# trainers), so two workers overlap those waits even on a 2-core machine.
+# Every test has its own ports, directories, buckets and PostgreSQL database
+# (conftest.py), so workers share nothing. TEST_WORKERS=0 runs it serially.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser slurm
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
