@@ -41,6 +41,7 @@ from ._range_writes import (
     write_range,
     write_unbuffered,
 )
+from ._responses import detached
 
 log = logging.getLogger("tierckpt.client.download")
 
@@ -222,18 +223,27 @@ async def _get_range(
     expected = end - start
     headers = {**job.headers, "Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
     async with http.stream("GET", job.url, headers=headers) as response:
-        check_range_response(job.url, job.size, start, end, response.status_code, response.headers)
-        view = memoryview(buffer)[:expected]
-        received = 0
-        async for piece in _body(response):
-            end_of_piece = received + len(piece)
-            if end_of_piece > expected:
-                raise SourceError(
-                    f"{describe_url(job.url)} sent more than the {expected} bytes asked for"
-                )
-            view[received:end_of_piece] = piece
-            received = end_of_piece
-        view.release()
+        try:
+            check_range_response(
+                job.url, job.size, start, end, response.status_code, response.headers
+            )
+            view = memoryview(buffer)[:expected]
+            received = 0
+            async for piece in _body(response):
+                end_of_piece = received + len(piece)
+                if end_of_piece > expected:
+                    raise SourceError(
+                        f"{describe_url(job.url)} sent more than the {expected} bytes asked for"
+                    )
+                view[received:end_of_piece] = piece
+                received = end_of_piece
+            view.release()
+        finally:
+            # Closed once the block ends: its stream then lets go of it, as
+            # every API call's answer does (_responses.py), so a restore
+            # leaves the caller's collector no cycle per range.
+            await response.aclose()
+            detached(response)
     if received != expected:
         raise SourceError(
             f"{describe_url(job.url)} ended after {received} of {expected} bytes", retryable=True

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +49,13 @@ def toml_value(value: Any) -> str:
 
 
 def write_config(
-    path: Path, sections: dict[str, dict[str, Any]], regions: list[dict[str, Any]]
+    path: Path,
+    sections: dict[str, dict[str, Any]],
+    regions: list[dict[str, Any]],
+    tokens: Sequence[dict[str, Any]] = (),
 ) -> Path:
+    """A TOML config: ``sections`` as tables, ``regions`` and ``tokens`` as
+    arrays of tables (``[[regions]]``, ``[[tokens]]``)."""
     lines: list[str] = []
     if "dir" not in sections.get("memory", {}):
         # A test agent's memory tier lives beside its config, not in /dev/shm
@@ -61,12 +68,73 @@ def write_config(
         lines.append(f"[{section}]")
         lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
         lines.append("")
-    for region in regions:
-        lines.append("[[regions]]")
-        lines.extend(f"{key} = {toml_value(value)}" for key, value in region.items())
-        lines.append("")
+    for array, entries in (("regions", regions), ("tokens", tokens)):
+        for entry in entries:
+            lines.append(f"[[{array}]]")
+            lines.extend(f"{key} = {toml_value(value)}" for key, value in entry.items())
+            lines.append("")
     path.write_text("\n".join(lines))
     return path
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """A test agent's config file, the port it serves on, and its local root."""
+
+    path: Path
+    port: int
+    ssd: Path
+
+    def serve(self, log: Path | None = None, *, worker: bool = True) -> ServeProcess:
+        """Its `tierckpt serve`, not started; the log beside the config by default."""
+        return ServeProcess(
+            self.path, self.port, log or self.path.with_suffix(".log"), worker=worker
+        )
+
+
+def agent_config(
+    directory: Path,
+    *,
+    name: str = "tierckpt",
+    node: str = "e2e-node",
+    host: str = "127.0.0.1",
+    catalog_url: str | None = None,
+    ssd: Path | None = None,
+    regions: list[dict[str, Any]] | None = None,
+    tokens: Sequence[dict[str, Any]] = (),
+    **sections: dict[str, Any],
+) -> AgentConfig:
+    """``directory/<name>.toml`` for one `tierckpt serve` of a test, on a free
+    loopback port: by default a SQLite catalog, one local root (``ssd``,
+    created) and one POSIX region, all in ``directory``. ``sections`` are
+    merged into the config's tables (``server={"rate_limit_per_second": 0}``,
+    ``worker={...}``, ``catalog={"register_ack": ...}``)."""
+    ssd = ssd or directory / "ssd"
+    ssd.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    tables: dict[str, dict[str, Any]] = {
+        "server": {"host": host, "port": port, "node": node},
+        "catalog": {
+            "url": catalog_url or f"sqlite+aiosqlite:///{directory / f'{name}-catalog.db'}"
+        },
+        "local": {"roots": [str(ssd)]},
+    }
+    for section, values in sections.items():
+        tables.setdefault(section, {}).update(values)
+    regions = (
+        regions
+        if regions is not None
+        else [{"name": "local", "kind": "posix", "root": str(directory / "region")}]
+    )
+    path = write_config(directory / f"{name}.toml", tables, regions, tokens)
+    return AgentConfig(path, port, ssd)
+
+
+def node_config(directory: Path, node: str, **kwargs: Any) -> AgentConfig:
+    """One of several agents (nodes) in ``directory``: its config file, log and
+    default catalog named after the node, and a local root of its own
+    (``ssd-<node>``); ``kwargs`` as for ``agent_config``."""
+    return agent_config(directory, name=node, node=node, ssd=directory / f"ssd-{node}", **kwargs)
 
 
 _STARTED: list[subprocess.Popen[bytes]] = []

@@ -11,16 +11,15 @@ saving what it finds: nothing of theirs may be there.
 from __future__ import annotations
 
 import asyncio
-import gc
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from devsupport.agent import posix_region, write_checkpoint
-from devsupport.processes import ServeProcess, free_port, write_config
+from devsupport.agent import write_checkpoint
+from devsupport.garbage import cyclic_garbage, of_the_client
+from devsupport.processes import agent_config
 from tierckpt.client import AsyncCheckpointClient, CheckpointClient
 
 pytestmark = pytest.mark.e2e
@@ -30,45 +29,11 @@ CALLS = 40
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    home = tmp_path_factory.mktemp("garbage")
-    ssd = home / "ssd"
-    ssd.mkdir()
-    port = free_port()
-    config = write_config(
-        home / "tierckpt.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": "gc-node"},
-            "catalog": {"url": f"sqlite+aiosqlite:///{home / 'catalog.db'}"},
-            "local": {"roots": [str(ssd)]},
-        },
-        [posix_region("local", home / "region")],
-    )
+    config = agent_config(tmp_path_factory.mktemp("garbage"), node="gc-node")
     # No worker: nothing becomes durable, so `latest` answers 404 (an error
     # answer is a call too) and the detail says "registered".
-    with ServeProcess(config, port, home / "serve.log", worker=False).start() as serve:
-        yield serve.url, ssd
-
-
-@contextmanager
-def _cyclic_garbage() -> Iterator[Counter[str]]:
-    """The types of what the cyclic collector finds after the block."""
-    found: Counter[str] = Counter()
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        yield found
-        gc.collect()
-        found.update(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-
-
-def _ours(found: Counter[str]) -> Counter[str]:
-    """What the client and its HTTP stack left (anything else in this
-    process, pytest's own, is not the calls')."""
-    prefixes = ("httpx", "httpcore", "h11", "tierckpt", "anyio", "asyncio", "pydantic")
-    return Counter({name: n for name, n in found.items() if name.startswith(prefixes)})
+    with config.serve(worker=False).start() as serve:
+        yield serve.url, config.ssd
 
 
 def test_the_sync_client_leaves_no_cycle(agent: tuple[str, Path]) -> None:
@@ -78,12 +43,12 @@ def test_the_sync_client_leaves_no_cycle(agent: tuple[str, Path]) -> None:
     ]
     with CheckpointClient(url) as client:
         client.register("warm", 1, write_checkpoint(ssd / "warm", {"w.bin": 64}))
-        with _cyclic_garbage() as found:
+        with cyclic_garbage() as found:
             for step, path in enumerate(checkpoints, start=1):
                 assert client.register("sync", step, path).state == "registered"
                 assert client.latest("sync") is None
                 assert client.get("sync", step).step == step
-    assert _ours(found) == Counter()
+    assert of_the_client(found) == Counter()
 
 
 def test_the_async_client_leaves_no_cycle(agent: tuple[str, Path]) -> None:
@@ -95,11 +60,11 @@ def test_the_async_client_leaves_no_cycle(agent: tuple[str, Path]) -> None:
     async def scenario() -> Counter[str]:
         async with AsyncCheckpointClient(url) as client:
             await client.register("warm-async", 1, write_checkpoint(ssd / "warm-a", {"w.bin": 64}))
-            with _cyclic_garbage() as found:
+            with cyclic_garbage() as found:
                 for step, path in enumerate(checkpoints, start=1):
                     assert (await client.register("async", step, path)).state == "registered"
                     assert await client.latest("async") is None
                     assert (await client.get("async", step)).step == step
             return found
 
-    assert _ours(asyncio.run(scenario())) == Counter()
+    assert of_the_client(asyncio.run(scenario())) == Counter()
