@@ -3,7 +3,6 @@ and the real CLI authenticates with $TIERCKPT_TOKEN (exit codes per DESIGN.md)."
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -11,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from devsupport.agent import write_checkpoint
-from devsupport.processes import TIERCKPT, ServeProcess, cli, free_port, write_config
+from devsupport.agent import token_entry, write_checkpoint
+from devsupport.processes import TIERCKPT, agent_config, cli
 
 pytestmark = pytest.mark.e2e
 
@@ -20,22 +19,13 @@ TRAINER = "e2e-trainer-token"
 READER = "e2e-reader-token"
 
 
-def digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def test_public_bind_without_tokens_exits_2_with_the_reason(tmp_path: Path) -> None:
-    config = write_config(
-        tmp_path / "public.toml",
-        {
-            "server": {"host": "0.0.0.0", "port": free_port(), "node": "e2e"},
-            "catalog": {"url": f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"},
-            "local": {"roots": [str(tmp_path / "ssd")]},
-        },
-        [{"name": "local", "kind": "posix", "root": str(tmp_path / "region")}],
+    catalog = tmp_path / "catalog.db"
+    config = agent_config(
+        tmp_path, name="public", host="0.0.0.0", catalog_url=f"sqlite+aiosqlite:///{catalog}"
     )
     done = subprocess.run(
-        [TIERCKPT, "serve", "--config", str(config)],
+        [TIERCKPT, "serve", "--config", str(config.path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -45,7 +35,7 @@ def test_public_bind_without_tokens_exits_2_with_the_reason(tmp_path: Path) -> N
     assert "add tokens before binding a public address" in done.stderr
     assert "Traceback" not in done.stderr
     # It refused before touching anything: no catalog was created.
-    assert not (tmp_path / "catalog.db").exists()
+    assert not catalog.exists()
 
     # The same through the environment override.
     env_bind = subprocess.run(
@@ -64,28 +54,17 @@ def _clean_env() -> dict[str, str]:
 
 
 def test_cli_sends_the_token_from_the_environment(tmp_path: Path) -> None:
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    port = free_port()
-    config = write_config(
-        tmp_path / "tokens.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": "e2e"},
-            "catalog": {"url": f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"},
-            "local": {"roots": [str(ssd)]},
-            "worker": {"poll_interval": 0.1},
-        },
-        [{"name": "local", "kind": "posix", "root": str(tmp_path / "region")}],
+    config = agent_config(
+        tmp_path,
+        name="tokens",
+        worker={"poll_interval": 0.1},
+        tokens=[
+            token_entry("trainers", TRAINER, "trainer", runs="llama-*"),
+            token_entry("ro", READER, "reader", runs="llama-*"),
+        ],
     )
-    # write_config has no [[tokens]] helper: append the array of tables.
-    with open(config, "a") as handle:
-        for name, token, role in (("trainers", TRAINER, "trainer"), ("ro", READER, "reader")):
-            handle.write(
-                f'\n[[tokens]]\nname = "{name}"\nsha256 = "{digest(token)}"\n'
-                f'role = "{role}"\nruns = "llama-*"\n'
-            )
-    ckpt = write_checkpoint(ssd / "step-5", {"model.bin": 3 << 20, "meta.json": b"{}"})
-    with ServeProcess(config, port, tmp_path / "serve.log").start() as agent:
+    ckpt = write_checkpoint(config.ssd / "step-5", {"model.bin": 3 << 20, "meta.json": b"{}"})
+    with config.serve().start() as agent:
         anonymous = cli("latest", "llama-1", server=agent.url, env={"TIERCKPT_TOKEN": ""})
         assert anonymous.returncode == 2, anonymous.stderr
         assert "missing bearer token" in anonymous.stderr

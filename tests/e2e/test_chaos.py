@@ -37,7 +37,7 @@ import httpx
 import pytest
 
 from devsupport import postgres as pg
-from devsupport.processes import ServeProcess, free_port, write_config
+from devsupport.processes import ServeProcess, agent_config
 from devsupport.seaweed import SeaweedServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
@@ -306,33 +306,28 @@ def test_chaos_loses_nothing(
 ) -> None:
     east_bucket = seaweed.create_bucket(f"chaos-east-{uuid.uuid4().hex[:10]}")
     west_bucket = seaweed_west.create_bucket(f"chaos-west-{uuid.uuid4().hex[:10]}")
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    port = free_port()
-    config = write_config(
-        tmp_path / "chaos.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": "chaos-node",
-                       "rate_limit_per_second": 0},
-            "catalog": {"url": chaos_catalog},
-            "local": {"roots": [str(ssd)]},
-            "upload": {"part_size_mb": 5, "parts_in_flight": 4},
-            "worker": {"poll_interval": 0.1, "lease_seconds": 5, "backoff_base": 0.2,
-                       "backoff_max": 2.0},
-            # The scrubber re-reads on its own, too: corruption is found
-            # even where no verify was asked for.
-            "scrub": {"interval_seconds": 5, "min_age_hours": 0},
-        },
-        [
+    credentials = {"access_key_id": "tierckpt", "secret_access_key": "tierckpt-secret"}
+    config = agent_config(
+        tmp_path,
+        name="chaos",
+        node="chaos-node",
+        catalog_url=chaos_catalog,
+        regions=[
             {"name": "east", "kind": "s3", "endpoint_url": seaweed.endpoint_url,
-             "bucket": east_bucket, "prefix": PREFIX, "access_key_id": "tierckpt",
-             "secret_access_key": "tierckpt-secret"},
+             "bucket": east_bucket, "prefix": PREFIX, **credentials},
             {"name": "west", "kind": "s3", "endpoint_url": seaweed_west.endpoint_url,
-             "bucket": west_bucket, "prefix": PREFIX, "access_key_id": "tierckpt",
-             "secret_access_key": "tierckpt-secret"},
+             "bucket": west_bucket, "prefix": PREFIX, **credentials},
         ],
+        server={"rate_limit_per_second": 0},
+        upload={"part_size_mb": 5, "parts_in_flight": 4},
+        worker={"poll_interval": 0.1, "lease_seconds": 5, "backoff_base": 0.2,
+                "backoff_max": 2.0},
+        # The scrubber re-reads on its own, too: corruption is found
+        # even where no verify was asked for.
+        scrub={"interval_seconds": 5, "min_age_hours": 0},
     )  # fmt: skip
-    agent = ServeProcess(config, port, tmp_path / "serve.log")
+    ssd = config.ssd
+    agent = config.serve(tmp_path / "serve.log")
     chaos = Chaos(agent, seaweed_west, {"east": seaweed.client(), "west": seaweed_west.client()})
     chaos.buckets = {"east": east_bucket, "west": west_bucket}
     chaos.figures.catalog = "postgresql" if chaos_catalog.startswith("postgresql") else "sqlite"

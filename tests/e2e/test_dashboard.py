@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from devsupport.agent import write_checkpoint
-from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.agent import token_entry, write_checkpoint
+from devsupport.processes import agent_config, cli
 from devsupport.seaweed import SeaweedServer
 
 pytestmark = pytest.mark.e2e
@@ -50,12 +50,6 @@ def require_browser() -> None:
     if os.environ.get("CI"):
         pytest.fail(reason)
     pytest.skip(reason)
-
-
-def sha(token: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def poll(url: str, predicate: Any, timeout: float = 60) -> dict[str, Any]:
@@ -107,18 +101,13 @@ def test_dashboard_shows_a_region_outage(
     seaweed_west: SeaweedServer,
 ) -> None:
     west_bucket = seaweed_west.create_bucket(f"west-{uuid.uuid4().hex[:12]}")
-    ssd = tmp_path / "ssd"
-    port = free_port()
     credentials = {"access_key_id": "tierckpt", "secret_access_key": "tierckpt-secret"}
-    config = write_config(
-        tmp_path / "tierckpt.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": "ui-node"},
-            "catalog": {"url": f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"},
-            "local": {"roots": [str(ssd)]},
-            "worker": {"poll_interval": 0.1, "backoff_base": 0.2, "backoff_max": 1.0},
-        },
-        [
+    config = agent_config(
+        tmp_path,
+        node="ui-node",
+        catalog_url=f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}",
+        worker={"poll_interval": 0.1, "backoff_base": 0.2, "backoff_max": 1.0},
+        regions=[
             {
                 "name": "east",
                 "kind": "s3",
@@ -139,16 +128,13 @@ def test_dashboard_shows_a_region_outage(
                 **credentials,
             },
         ],
+        tokens=[token_entry("ui", READER, "reader"), token_entry("train", TRAINER, "trainer")],
     )
-    with open(config, "a") as handle:
-        for name, token, role in (("ui", READER, "reader"), ("train", TRAINER, "trainer")):
-            handle.write(
-                f'[[tokens]]\nname = "{name}"\nsha256 = "{sha(token)}"\nrole = "{role}"\n\n'
-            )
+    ssd = config.ssd
     log = tmp_path / "serve.log"
     ARTIFACTS.mkdir(exist_ok=True)
 
-    with ServeProcess(config, port, log).start() as agent:
+    with config.serve(log).start() as agent:
         env = {"TIERCKPT_TOKEN": TRAINER}
         first = write_checkpoint(
             ssd / "llama" / "step-100", {"model.bin": 3 << 20, "opt.bin": 1 << 20}

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from devsupport.agent import s3_region
-from devsupport.processes import ServeProcess, free_port, wait_for, write_config
+from devsupport.processes import agent_config, wait_for
 from devsupport.s3proxy import S3FaultProxy
 from devsupport.seaweed import SeaweedServer
 
@@ -62,28 +62,20 @@ def test_an_object_landed_after_the_deletion_is_taken_back_after_a_kill9(
     checkpoint = ssd / "step-1"
     checkpoint.mkdir(parents=True)
     (checkpoint / "w.bin").write_bytes(b"w" * 1000)
-    port = free_port()
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        config = write_config(
-            tmp_path / "tierckpt.toml",
-            {
-                "server": {
-                    "host": "127.0.0.1",
-                    "port": port,
-                    "node": "race-node",
-                    "rate_limit_per_second": 0,
-                },
-                "catalog": {"url": catalog_url},
-                "local": {"roots": [str(ssd)]},
-                "worker": {"poll_interval": 0.05, "backoff_base": 0.1, "backoff_max": 1.0},
-                "scrub": {"enabled": False},
-            },
-            [s3_region("east", proxy.endpoint_url, s3_bucket)],
+        config = agent_config(
+            tmp_path,
+            node="race-node",
+            catalog_url=catalog_url,
+            regions=[s3_region("east", proxy.endpoint_url, s3_bucket)],
+            server={"rate_limit_per_second": 0},
+            worker={"poll_interval": 0.05, "backoff_base": 0.1, "backoff_max": 1.0},
+            scrub={"enabled": False},
         )
         hold = proxy.hold(
             lambda request: request.method == "PUT" and request.path.endswith(f"/{name}")
         )
-        agent = ServeProcess(config, port, tmp_path / "serve.log").start()
+        agent = config.serve(tmp_path / "serve.log").start()
         try:
             with httpx.Client(base_url=agent.url, timeout=30) as http:
                 registered = http.post(
@@ -105,7 +97,7 @@ def test_an_object_landed_after_the_deletion_is_taken_back_after_a_kill9(
             hold.release.set()
 
         with (
-            ServeProcess(config, port, tmp_path / "serve.log").start() as again,
+            config.serve(tmp_path / "serve.log").start() as again,
             httpx.Client(base_url=again.url, timeout=30) as http,
         ):
             # The job, whose worker died with the agent, runs again.

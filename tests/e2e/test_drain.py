@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from devsupport.agent import write_checkpoint
-from devsupport.processes import ServeProcess, free_port, wait_for, write_config
+from devsupport.agent import s3_region, write_checkpoint
+from devsupport.processes import AgentConfig, ServeProcess, agent_config, wait_for
 from devsupport.seaweed import SeaweedServer
 from devsupport.tcpproxy import TcpProxy
 from tierckpt.client import CheckpointClient
@@ -89,35 +89,18 @@ def start_hung_upload(agent: ServeProcess, proxy: TcpProxy, ckpt: Path) -> None:
 
 def config(
     tmp_path: Path, catalog: str, endpoint: str, bucket: str, worker: dict[str, Any]
-) -> tuple[Path, int, Path]:
-    ssd = tmp_path / "ssd"
-    ssd.mkdir(exist_ok=True)
-    port = free_port()
-    path = write_config(
-        tmp_path / "tierckpt.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": "drain-node"},
-            "catalog": {"url": catalog},
-            "local": {"roots": [str(ssd)]},
-            # One 5 MiB part in flight: the normal upload is still running
-            # when the signal arrives.
-            "upload": {"part_size_mb": 5, "parts_in_flight": 1, "files_in_flight": 1},
-            "worker": {"poll_interval": 0.1, "backoff_base": 0.2, "backoff_max": 1.0, **worker},
-            "scrub": {"enabled": False},
-        },
-        [
-            {
-                "name": "east",
-                "kind": "s3",
-                "endpoint_url": endpoint,
-                "bucket": bucket,
-                "prefix": PREFIX,
-                "access_key_id": "tierckpt",
-                "secret_access_key": "tierckpt-secret",
-            }
-        ],
+) -> AgentConfig:
+    return agent_config(
+        tmp_path,
+        node="drain-node",
+        catalog_url=catalog,
+        regions=[s3_region("east", endpoint, bucket, prefix=PREFIX)],
+        # One 5 MiB part in flight: the normal upload is still running
+        # when the signal arrives.
+        upload={"part_size_mb": 5, "parts_in_flight": 1, "files_in_flight": 1},
+        worker={"poll_interval": 0.1, "backoff_base": 0.2, "backoff_max": 1.0, **worker},
+        scrub={"enabled": False},
     )
-    return path, port, ssd
 
 
 def object_key(step: int, name: str) -> str:
@@ -144,14 +127,15 @@ def test_sigterm_to_agent_and_trainer_urgent_checkpoint_durable_before_exit(
     tmp_path: Path, catalog_url: str, seaweed: SeaweedServer, s3_client: Any, s3_bucket: str
 ) -> None:
     drain_seconds = 40.0
-    path, port, ssd = config(
+    configured = config(
         tmp_path,
         catalog_url,
         seaweed.endpoint_url,
         s3_bucket,
         {"drain_seconds": drain_seconds, "drain_linger_seconds": 3},
     )
-    agent = ServeProcess(path, port, tmp_path / "serve.log").start()
+    ssd = configured.ssd
+    agent = configured.serve(tmp_path / "serve.log").start()
     trainer = None
     try:
         normal = write_checkpoint(ssd / RUN / "step-1", {"weights.bin": 60 << 20})
@@ -213,7 +197,7 @@ def test_sigterm_to_agent_and_trainer_urgent_checkpoint_durable_before_exit(
 
     # Read back by an agent that runs no jobs: what is durable now was made
     # durable by the drained agent before it exited.
-    with ServeProcess(path, port, tmp_path / "check.log", worker=False).start() as check:
+    with configured.serve(tmp_path / "check.log", worker=False).start() as check:
         for step in (1, 2):
             detail = httpx.get(f"{check.url}/v1/runs/{RUN}/checkpoints/{step}").json()
             assert detail["state"] == "durable", detail
@@ -234,7 +218,7 @@ def test_drain_ends_at_its_deadline_and_the_next_start_finishes(
 ) -> None:
     drain_seconds = 4.0
     with TcpProxy("127.0.0.1", seaweed.ports["s3"]) as proxy:
-        path, port, ssd = config(
+        configured = config(
             tmp_path,
             f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}",
             f"http://127.0.0.1:{proxy.port}",
@@ -246,8 +230,9 @@ def test_drain_ends_at_its_deadline_and_the_next_start_finishes(
                 "separate_process": separate,
             },
         )
+        ssd = configured.ssd
         ckpt = write_checkpoint(ssd / RUN / "step-1", {"weights.bin": 12 << 20})
-        agent = ServeProcess(path, port, tmp_path / "serve.log").start()
+        agent = configured.serve(tmp_path / "serve.log").start()
         try:
             start_hung_upload(agent, proxy, ckpt)
             assert agent.proc is not None
@@ -266,12 +251,12 @@ def test_drain_ends_at_its_deadline_and_the_next_start_finishes(
         # The lease was given back: the job is queued, not left running (read
         # by an agent that runs no jobs; it checks the region at start).
         proxy.restore()
-        with ServeProcess(path, port, tmp_path / "check.log", worker=False).start() as check:
+        with configured.serve(tmp_path / "check.log", worker=False).start() as check:
             detail = httpx.get(f"{check.url}/v1/runs/{RUN}/checkpoints/1").json()
             assert detail["state"] in ("registered", "uploading"), detail
             assert [(j["kind"], j["state"]) for j in detail["jobs"]] == [("upload", "queued")]
 
-        with ServeProcess(path, port, tmp_path / "serve.log").start() as again:
+        with configured.serve(tmp_path / "serve.log").start() as again:
             done = wait_for(
                 f"{again.url}/v1/runs/{RUN}/checkpoints/1",
                 lambda a: a["state"] in ("durable", "failed"),
@@ -286,15 +271,16 @@ def test_a_second_signal_ends_the_drain_at_once(
 ) -> None:
     drain_seconds = 120.0
     with TcpProxy("127.0.0.1", seaweed.ports["s3"]) as proxy:
-        path, port, ssd = config(
+        configured = config(
             tmp_path,
             f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}",
             f"http://127.0.0.1:{proxy.port}",
             s3_bucket,
             {"drain_seconds": drain_seconds, "lease_seconds": 60},
         )
+        ssd = configured.ssd
         ckpt = write_checkpoint(ssd / RUN / "step-1", {"weights.bin": 12 << 20})
-        agent = ServeProcess(path, port, tmp_path / "serve.log").start()
+        agent = configured.serve(tmp_path / "serve.log").start()
         try:
             # The upload hangs: the drain would last its 120 s.
             start_hung_upload(agent, proxy, ckpt)

@@ -27,7 +27,7 @@ import pytest
 
 from devsupport import postgres as pg
 from devsupport.agent import write_checkpoint
-from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.processes import ServeProcess, cli, node_config
 from devsupport.s3proxy import S3FaultProxy
 from devsupport.seaweed import SeaweedServer
 
@@ -67,28 +67,23 @@ def peer_agent(
     tokens: bool = False,
     **sections: dict[str, Any],
 ) -> ServeProcess:
-    ssd = tmp_path / f"ssd-{name}"
-    ssd.mkdir(exist_ok=True)
-    port = free_port()
-    config: dict[str, dict[str, Any]] = {
-        "server": {"host": "127.0.0.1", "port": port, "node": name},
-        "catalog": {"url": catalog},
-        "local": {"roots": [str(ssd)]},
+    tables: dict[str, dict[str, Any]] = {
         "worker": {"poll_interval": 0.1, "backoff_base": 0.1, "backoff_max": 1.0},
         "peers": {"copies": 1, "interval_seconds": 0.3, "lease_seconds": 3},
         "scrub": {"enabled": False},
     }
     if tokens:
-        config["peers"]["token"] = PEER_TOKEN
+        tables["peers"]["token"] = PEER_TOKEN
     for section, values in sections.items():
-        config.setdefault(section, {}).update(values)
-    path = write_config(tmp_path / f"{name}.toml", config, [region])
-    if tokens:
-        with open(path, "a") as handle:
-            for entry in token_entries():
-                handle.write("\n[[tokens]]\n")
-                handle.writelines(f'{key} = "{value}"\n' for key, value in entry.items())
-    return ServeProcess(path, port, tmp_path / f"{name}.log")
+        tables.setdefault(section, {}).update(values)
+    return node_config(
+        tmp_path,
+        name,
+        catalog_url=catalog,
+        regions=[region],
+        tokens=token_entries() if tokens else (),
+        **tables,
+    ).serve()
 
 
 def posix(tmp_path: Path) -> dict[str, Any]:

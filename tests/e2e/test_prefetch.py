@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.agent import s3_region
+from devsupport.processes import ServeProcess, cli, node_config
 from devsupport.s3proxy import S3FaultProxy
 from devsupport.seaweed import SeaweedServer
 from tests.e2e.test_dcp_plugin import job
@@ -29,31 +30,14 @@ RUN = "plugin"  # the run devsupport/dcp_plugin_job.py saves
 
 
 def agent(tmp_path: Path, name: str, catalog: str, endpoint: str, bucket: str) -> ServeProcess:
-    ssd = tmp_path / f"ssd-{name}"
-    ssd.mkdir()
-    port = free_port()
-    config = write_config(
-        tmp_path / f"{name}.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": name},
-            "catalog": {"url": catalog},
-            "local": {"roots": [str(ssd)]},
-            "worker": {"poll_interval": 0.1, "backoff_base": 0.2},
-            "upload": {"chunk_size_mb": 1},
-        },
-        [
-            {
-                "name": "east",
-                "kind": "s3",
-                "endpoint_url": endpoint,
-                "bucket": bucket,
-                "prefix": "pre",
-                "access_key_id": "tierckpt",
-                "secret_access_key": "tierckpt-secret",
-            }
-        ],
-    )
-    return ServeProcess(config, port, tmp_path / f"{name}.log")
+    return node_config(
+        tmp_path,
+        name,
+        catalog_url=catalog,
+        regions=[s3_region("east", endpoint, bucket, prefix="pre")],
+        worker={"poll_interval": 0.1, "backoff_base": 0.2},
+        upload={"chunk_size_mb": 1},
+    ).serve()
 
 
 def object_requests(proxy: S3FaultProxy, since: int) -> list[str]:

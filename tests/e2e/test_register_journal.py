@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from devsupport.agent import posix_region, write_checkpoint
-from devsupport.processes import ServeProcess, free_port, write_config
+from devsupport.agent import write_checkpoint
+from devsupport.processes import agent_config
 from tierckpt.client import CheckpointClient
 from tierckpt.client.journal import PENDING_STATE, RegistrationJournal
 
@@ -21,20 +21,10 @@ pytestmark = pytest.mark.e2e
 
 
 def test_registrations_survive_an_agent_restart(tmp_path: Path) -> None:
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    port = free_port()
-    config = write_config(
-        tmp_path / "tierckpt.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": "e2e-node"},
-            "catalog": {"url": f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"},
-            "local": {"roots": [str(ssd)]},
-            "worker": {"poll_interval": 0.1, "backoff_base": 0.2, "backoff_max": 2.0},
-        },
-        [posix_region("local", tmp_path / "region")],
+    config = agent_config(
+        tmp_path, worker={"poll_interval": 0.1, "backoff_base": 0.2, "backoff_max": 2.0}
     )
-    agent = ServeProcess(config, port, tmp_path / "serve.log")
+    ssd, agent = config.ssd, config.serve()
     journal = tmp_path / "journal.jsonl"
     steps = [1, 2, 3, 4, 5]
     for step in steps:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from devsupport.catalog_lock import catalog_write_lock, rows
-from devsupport.processes import ServeProcess, free_port, write_config
+from devsupport.processes import AgentConfig, agent_config
 from tierckpt.service.storage.layout import object_key
 
 pytestmark = pytest.mark.e2e
@@ -29,25 +29,14 @@ COUNT = 400
 CLIENTS = 32
 
 
-def _config(tmp_path: Path, catalog_url: str, **catalog: str) -> tuple[Path, int, Path]:
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    port = free_port()
-    config = write_config(
-        tmp_path / "tierckpt.toml",
-        {
-            "server": {
-                "host": "127.0.0.1",
-                "port": port,
-                "node": "kill-node",
-                "rate_limit_per_second": 0,
-            },
-            "catalog": {"url": catalog_url, **catalog},
-            "local": {"roots": [str(ssd)]},
-        },
-        [{"name": "local", "kind": "posix", "root": str(tmp_path / "region")}],
+def _config(tmp_path: Path, catalog_url: str, **catalog: str) -> AgentConfig:
+    return agent_config(
+        tmp_path,
+        node="kill-node",
+        catalog_url=catalog_url,
+        server={"rate_limit_per_second": 0},
+        catalog=catalog,
     )
-    return config, port, ssd
 
 
 async def _register_until_killed(
@@ -82,16 +71,16 @@ async def _register_until_killed(
 def test_kill9_during_concurrent_registrations_loses_no_202(
     catalog_url: str, tmp_path: Path
 ) -> None:
-    config, port, ssd = _config(tmp_path, catalog_url)
+    config = _config(tmp_path, catalog_url)
     dirs = []
     for step in range(COUNT):
-        d = ssd / f"step-{step}"
+        d = config.ssd / f"step-{step}"
         d.mkdir()
         (d / "w.bin").write_bytes(b"w" * (step + 1))
         (d / "meta.json").write_bytes(b"{}")
         dirs.append(d)
 
-    agent = ServeProcess(config, port, tmp_path / "serve.log", worker=False).start()
+    agent = config.serve(worker=False).start()
     kill = threading.Event()
 
     def killer() -> None:
@@ -110,7 +99,7 @@ def test_kill9_during_concurrent_registrations_loses_no_202(
     assert all(status == 202 for status in answered.values()), answered
     assert len(answered) < COUNT, "the kill came too late to land mid-flight"
 
-    with ServeProcess(config, port, tmp_path / "serve.log", worker=False).start() as again:
+    with config.serve(worker=False).start() as again:
         with httpx.Client(base_url=again.url, timeout=30) as http:
             listed = http.get("/v1/runs/k/checkpoints", params={"limit": 1000}).json()
             present = {c["step"]: c for c in listed["checkpoints"]}
@@ -149,11 +138,12 @@ def test_kill9_after_an_answer_only_recorded_on_the_node(catalog_url: str, tmp_p
     catalog's write lock is held from outside (so the catalog cannot have
     the registration yet), then kill -9 of the agent: the restarted agent
     takes the record up, and the checkpoint becomes durable with its bytes."""
-    config, port, ssd = _config(tmp_path, catalog_url, register_ack="recorded")
+    config = _config(tmp_path, catalog_url, register_ack="recorded")
+    ssd = config.ssd
     source = ssd / "step-3"
     source.mkdir()
     (source / "w.bin").write_bytes(b"recorded" * 1000)
-    agent = ServeProcess(config, port, tmp_path / "serve.log").start()
+    agent = config.serve().start()
     try:
         with catalog_write_lock(catalog_url):
             answer = httpx.post(
@@ -167,7 +157,7 @@ def test_kill9_after_an_answer_only_recorded_on_the_node(catalog_url: str, tmp_p
     finally:
         agent.kill()
     assert rows(catalog_url, "SELECT count(*) FROM checkpoints") == [(0,)]
-    with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
+    with config.serve().start() as again:
         _wait_durable(again.url, "rec", 3)
         stored = tmp_path / "region" / object_key("rec", 3, 0, "w.bin")
         assert stored.read_bytes() == b"recorded" * 1000
@@ -183,23 +173,20 @@ def test_a_full_ssd_answers_at_the_commit_and_loses_nothing(
     right after loses nothing; once restarted, the agent uploads it."""
     full = tmpfs("full", "size=4m,nr_inodes=16")
     ssd = tmp_path / "ssd"
-    ssd.mkdir()
     catalog_url = f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"
-    port = free_port()
-    config = write_config(
-        tmp_path / "tierckpt.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": "full-node"},
-            "catalog": {"url": catalog_url, "register_ack": "recorded"},
-            "local": {"roots": [str(full), str(ssd)]},
-        },
-        [{"name": "local", "kind": "posix", "root": str(tmp_path / "region")}],
+    config = agent_config(
+        tmp_path,
+        node="full-node",
+        catalog_url=catalog_url,
+        ssd=ssd,
+        catalog={"register_ack": "recorded"},
+        local={"roots": [str(full), str(ssd)]},
     )
     source = ssd / "step-5"
     source.mkdir()
     (source / "w.bin").write_bytes(b"full disk" * 1000)
     log = tmp_path / "serve.log"
-    agent = ServeProcess(config, port, log, worker=False).start()
+    agent = config.serve(log, worker=False).start()
     try:
         inbox = next((full / ".tierckpt-inbox").iterdir())
         filler = 0
@@ -222,7 +209,7 @@ def test_a_full_ssd_answers_at_the_commit_and_loses_nothing(
     assert "cannot record a registration" in log.read_text()
     assert list(inbox.iterdir()) == []
 
-    with ServeProcess(config, port, log).start() as again:
+    with config.serve(log).start() as again:
         _wait_durable(again.url, "full", 5)
     stored = tmp_path / "region" / object_key("full", 5, 0, "w.bin")
     assert stored.read_bytes() == b"full disk" * 1000

@@ -16,28 +16,16 @@ from pathlib import Path
 import pytest
 
 from devsupport.agent import write_checkpoint
-from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.processes import ServeProcess, agent_config, cli
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[tuple[ServeProcess, Path]]:
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    port = free_port()
-    config = write_config(
-        tmp_path / "agent.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": "e2e"},
-            "catalog": {"url": f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"},
-            "local": {"roots": [str(ssd)]},
-            "worker": {"poll_interval": 0.1},
-        },
-        [{"name": "local", "kind": "posix", "root": str(tmp_path / "region")}],
-    )
-    with ServeProcess(config, port, tmp_path / "serve.log").start() as running:
-        yield running, ssd
+    config = agent_config(tmp_path, worker={"poll_interval": 0.1})
+    with config.serve().start() as running:
+        yield running, config.ssd
 
 
 def register(agent: ServeProcess, run: str, step: int, path: Path) -> None:

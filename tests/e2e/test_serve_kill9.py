@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from devsupport.agent import write_checkpoint
-from devsupport.processes import ServeProcess, cli, free_port, wait_for, write_config
+from devsupport.agent import s3_region, write_checkpoint
+from devsupport.processes import AgentConfig, agent_config, cli, free_port, wait_for
 from devsupport.seaweed import SeaweedServer, boto3_client, overwrite_object
 
 pytestmark = pytest.mark.e2e
@@ -65,51 +65,28 @@ def gone(pid: int, timeout: float = 30) -> bool:
 
 
 @pytest.fixture
-def agent_config(
+def configured(
     tmp_path: Path, catalog_url: str, seaweed: SeaweedServer, s3_bucket: str
-) -> tuple[Path, int, Path]:
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    port = free_port()
-    config = write_config(
-        tmp_path / "tierckpt.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": "e2e-node"},
-            "catalog": {"url": catalog_url},
-            "local": {"roots": [str(ssd)]},
-            # One 5 MiB part in flight: the upload takes long enough to be
-            # killed in the middle of it.
-            "upload": {"part_size_mb": 5, "parts_in_flight": 1, "files_in_flight": 1},
-            "worker": {
-                "poll_interval": 0.1,
-                "lease_seconds": 10,
-                "backoff_base": 0.2,
-                "backoff_max": 2.0,
-            },
-        },
-        [
-            {
-                "name": "east",
-                "kind": "s3",
-                "endpoint_url": seaweed.endpoint_url,
-                "bucket": s3_bucket,
-                "prefix": "e2e",
-                "access_key_id": "tierckpt",
-                "secret_access_key": "tierckpt-secret",
-            }
-        ],
+) -> AgentConfig:
+    return agent_config(
+        tmp_path,
+        catalog_url=catalog_url,
+        regions=[s3_region("east", seaweed.endpoint_url, s3_bucket, prefix="e2e")],
+        # One 5 MiB part in flight: the upload takes long enough to be
+        # killed in the middle of it.
+        upload={"part_size_mb": 5, "parts_in_flight": 1, "files_in_flight": 1},
+        worker={"poll_interval": 0.1, "lease_seconds": 10, "backoff_base": 0.2, "backoff_max": 2.0},
     )
-    return config, port, ssd
 
 
 def test_kill9_mid_upload_loses_nothing(
-    agent_config: tuple[Path, int, Path],
+    configured: AgentConfig,
     tmp_path: Path,
     s3_client: Any,
     s3_bucket: str,
     catalog_url: str,
 ) -> None:
-    config, port, ssd = agent_config
+    config, ssd = configured, configured.ssd
     files: dict[str, bytes | int] = {
         "model/weights.bin": 110 << 20,
         "model/nested/deep/optim.bin": 3 << 20,
@@ -117,7 +94,7 @@ def test_kill9_mid_upload_loses_nothing(
         "données-é.json": b'{"ok": true}',
     }
     ckpt = write_checkpoint(ssd / "run" / "step-100", files)
-    agent = ServeProcess(config, port, tmp_path / "serve.log")
+    agent = config.serve(tmp_path / "serve.log")
     with agent.start():
         registered = cli(
             "--json", "register", "gpt", "100", str(ckpt), "--metric", "loss=0.25", server=agent.url
@@ -140,13 +117,13 @@ def test_kill9_mid_upload_loses_nothing(
         # The worker process does not outlive the agent (PR_SET_PDEATHSIG).
         assert all(gone(worker) for worker in workers)
     # Read the catalog as the kill left it: the shard was mid-upload.
-    with ServeProcess(config, port, tmp_path / "serve.log", worker=False).start() as frozen:
+    with config.serve(tmp_path / "serve.log", worker=False).start() as frozen:
         before = httpx.get(f"{frozen.url}/v1/runs/gpt/checkpoints/100").json()
     assert before["shards"][0]["state"] == "uploading", "the kill must land mid-upload"
     left = open_uploads(s3_client, s3_bucket)
     assert left == ["e2e/gpt/step-000000000100/rank-00000/model/weights.bin"], left
 
-    with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
+    with config.serve(tmp_path / "serve.log").start() as again:
         done = wait_for(
             f"{again.url}/v1/runs/gpt/checkpoints/100",
             lambda a: a["state"] in ("durable", "failed"),
@@ -196,16 +173,16 @@ def test_kill9_mid_upload_loses_nothing(
 
 
 def test_kill9_mid_replication_leaves_no_open_upload(
-    agent_config: tuple[Path, int, Path],
+    configured: AgentConfig,
     tmp_path: Path,
     seaweed_west: SeaweedServer,
 ) -> None:
     """A replicate job killed mid-copy leaves a multipart upload open in the
     target region; its retry aborts it, then copies, and nothing is lost."""
-    config, port, ssd = agent_config
+    config, ssd = configured, configured.ssd
     west_bucket = seaweed_west.create_bucket(f"west-{uuid.uuid4().hex[:12]}")
     west = boto3_client(seaweed_west.endpoint_url)
-    text = config.read_text()
+    text = config.path.read_text()
     # West is filled by a replicate job (no upload from T0 into it), which
     # streams between the two servers in 5 MiB parts, one at a time.
     text = text.replace("[upload]\n", "[upload]\nfan_out = false\n", 1)
@@ -214,10 +191,10 @@ def test_kill9_mid_replication_leaves_no_open_upload(
         f'endpoint_url = "{seaweed_west.endpoint_url}"\nbucket = "{west_bucket}"\n'
         'prefix = "e2e"\naccess_key_id = "tierckpt"\nsecret_access_key = "tierckpt-secret"\n'
     )
-    config.write_text(text)
+    config.path.write_text(text)
     ckpt = write_checkpoint(ssd / "run" / "step-7", {"weights.bin": 110 << 20, "m.json": b"{}"})
     key = "e2e/rep/step-000000000007/rank-00000/weights.bin"
-    agent = ServeProcess(config, port, tmp_path / "serve.log")
+    agent = config.serve(tmp_path / "serve.log")
     with agent.start():
         assert cli("register", "rep", "7", str(ckpt), server=agent.url).returncode == 0
         deadline = time.monotonic() + 120
@@ -227,7 +204,7 @@ def test_kill9_mid_replication_leaves_no_open_upload(
         agent.kill()
     assert open_uploads(west, west_bucket) == [key], "the kill must land mid-replication"
 
-    with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
+    with config.serve(tmp_path / "serve.log").start() as again:
         done = wait_for(
             f"{again.url}/v1/runs/rep/checkpoints/7",
             lambda a: a["state"] in ("replicated", "failed"),
@@ -240,14 +217,13 @@ def test_kill9_mid_replication_leaves_no_open_upload(
         assert sha256_object(west, west_bucket, key) == sha256_file(ckpt / "weights.bin")
 
 
-def test_sigterm_releases_work_and_cli_exit_codes(
-    agent_config: tuple[Path, int, Path], tmp_path: Path
-) -> None:
-    config, port, ssd = agent_config
+def test_sigterm_releases_work_and_cli_exit_codes(configured: AgentConfig, tmp_path: Path) -> None:
+    config, ssd = configured, configured.ssd
     # No drain (tests/e2e/test_drain.py has it): SIGTERM gives the job back.
-    config.write_text(config.read_text().replace("[worker]\n", "[worker]\ndrain_seconds = 0\n"))
+    text = config.path.read_text()
+    config.path.write_text(text.replace("[worker]\n", "[worker]\ndrain_seconds = 0\n"))
     ckpt = write_checkpoint(ssd / "run" / "step-1", {"w.bin": 60 << 20})
-    agent = ServeProcess(config, port, tmp_path / "serve.log").start()
+    agent = config.serve(tmp_path / "serve.log").start()
     try:
         assert cli("register", "job", "1", str(ckpt), server=agent.url).returncode == 0
         wait_for(f"{agent.url}/v1/runs/job/checkpoints/1", lambda a: a["state"] == "uploading")
@@ -260,7 +236,7 @@ def test_sigterm_releases_work_and_cli_exit_codes(
     finally:
         agent.kill()
 
-    with ServeProcess(config, port, tmp_path / "serve.log").start() as again:
+    with config.serve(tmp_path / "serve.log").start() as again:
         wait_for(f"{again.url}/v1/runs/job/checkpoints/1", lambda a: a["state"] == "durable")
         missing = cli("latest", "no-such-run", server=again.url)
         assert missing.returncode == 1

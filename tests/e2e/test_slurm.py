@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from devsupport.processes import ServeProcess, free_port, write_config
+from devsupport.agent import posix_region
+from devsupport.processes import ServeProcess, agent_config, free_port
 
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
@@ -178,19 +179,15 @@ def slurm() -> Iterator[Slurm]:
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[tuple[ServeProcess, Path]]:
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    port = free_port()
-    sections: dict[str, dict[str, Any]] = {
-        "server": {"host": "127.0.0.1", "port": port, "node": NODE},
-        "catalog": {"url": f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"},
-        "local": {"roots": [str(ssd)]},
-        "worker": {"poll_interval": 0.05, "lease_seconds": 10, "backoff_base": 0.2},
-    }
-    region = {"name": "east", "kind": "posix", "root": str(tmp_path / "region")}
-    config = write_config(tmp_path / "tierckpt.toml", sections, [region])
-    with ServeProcess(config, port, tmp_path / "serve.log").start() as serve:
-        yield serve, ssd
+    config = agent_config(
+        tmp_path,
+        node=NODE,
+        catalog_url=f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}",
+        regions=[posix_region("east", tmp_path / "region")],
+        worker={"poll_interval": 0.05, "lease_seconds": 10, "backoff_base": 0.2},
+    )
+    with config.serve(tmp_path / "serve.log").start() as serve:
+        yield serve, config.ssd
 
 
 def checkpoints(url: str) -> list[dict[str, Any]]:

@@ -32,7 +32,8 @@ from typing import IO, Any
 import httpx
 import pytest
 
-from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.agent import s3_region
+from devsupport.processes import ServeProcess, agent_config, cli
 from devsupport.seaweed import SeaweedServer
 
 torch = pytest.importorskip("torch")
@@ -130,28 +131,20 @@ def start_agent(tmp_path: Path, seaweed: SeaweedServer, s3_bucket: str) -> Itera
     started: list[ServeProcess] = []
 
     def start(**extra: dict[str, Any]) -> tuple[ServeProcess, Path]:
-        ssd = tmp_path / "ssd"
-        ssd.mkdir()
-        port = free_port()
         sections: dict[str, dict[str, Any]] = {
-            "server": {"host": "127.0.0.1", "port": port, "node": NODE},
-            "catalog": {"url": f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"},
-            "local": {"roots": [str(ssd)]},
             "worker": {"poll_interval": 0.05, "lease_seconds": 10, "backoff_base": 0.2},
         }
         for name, values in extra.items():
             sections.setdefault(name, {}).update(values)
-        region = {
-            "name": "east",
-            "kind": "s3",
-            "endpoint_url": seaweed.endpoint_url,
-            "bucket": s3_bucket,
-            "prefix": "torch",
-            "access_key_id": "tierckpt",
-            "secret_access_key": "tierckpt-secret",
-        }
-        config = write_config(tmp_path / "tierckpt.toml", sections, [region])
-        agent = ServeProcess(config, port, tmp_path / "serve.log")
+        config = agent_config(
+            tmp_path,
+            node=NODE,
+            catalog_url=f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}",
+            regions=[s3_region("east", seaweed.endpoint_url, s3_bucket, prefix="torch")],
+            **sections,
+        )
+        ssd = config.ssd
+        agent = config.serve(tmp_path / "serve.log")
         started.append(agent)
         return agent.start(), ssd
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from devsupport.agent import write_checkpoint
-from devsupport.processes import ServeProcess, cli, free_port, write_config
+from devsupport.agent import s3_region, write_checkpoint
+from devsupport.processes import ServeProcess, cli, node_config
 from devsupport.seaweed import SeaweedServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
@@ -21,30 +21,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 def agent(
     tmp_path: Path, name: str, catalog: str, seaweed: SeaweedServer, bucket: str
 ) -> ServeProcess:
-    ssd = tmp_path / f"ssd-{name}"
-    ssd.mkdir()
-    port = free_port()
-    config = write_config(
-        tmp_path / f"{name}.toml",
-        {
-            "server": {"host": "127.0.0.1", "port": port, "node": name},
-            "catalog": {"url": catalog},
-            "local": {"roots": [str(ssd)]},
-            "worker": {"poll_interval": 0.1},
-        },
-        [
-            {
-                "name": "east",
-                "kind": "s3",
-                "endpoint_url": seaweed.endpoint_url,
-                "bucket": bucket,
-                "prefix": "two",
-                "access_key_id": "tierckpt",
-                "secret_access_key": "tierckpt-secret",
-            }
-        ],
-    )
-    return ServeProcess(config, port, tmp_path / f"{name}.log")
+    return node_config(
+        tmp_path,
+        name,
+        catalog_url=catalog,
+        regions=[s3_region("east", seaweed.endpoint_url, bucket, prefix="two")],
+        worker={"poll_interval": 0.1},
+    ).serve()
 
 
 def digest(path: Path) -> str:
