@@ -22,6 +22,7 @@ from typing import Any
 from devsupport.processes import ServeProcess, free_port, write_config
 from devsupport.seaweed import SeaweedServer, boto3_client
 
+from . import leftovers
 from .data import Dataset, make_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -223,6 +224,8 @@ def stop_agent(agent: Agent) -> None:
 @contextlib.contextmanager
 def environment(quick: bool, reps: int, workdir: str | None, keep: bool) -> Iterator[BenchContext]:
     work = Path(tempfile.mkdtemp(prefix="tierckpt-bench-", dir=workdir))
+    # Removes what a SIGKILLed run (the OOM killer) would leave behind.
+    leftovers.watch(work, keep=keep)
     seaweed = SeaweedServer(work / "seaweed", volume_size_limit_mb=VOLUME_SIZE_LIMIT_MB)
     ctx: BenchContext | None = None
     agents: list[Agent] = []

@@ -30,7 +30,8 @@ def tmpfs_seaweed(work: Path, buckets: tuple[str, ...]) -> Iterator[tuple[Seawee
     """A running SeaweedFS on a tmpfs with ``buckets``, and the directory it is under."""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else work
-    data = Path(tempfile.mkdtemp(prefix="tierckpt-bench-s3-", dir=base))
+    # Named after the work directory: the watchdog (leftovers.py) finds it by that.
+    data = Path(tempfile.mkdtemp(prefix=f"{work.name}-s3-", dir=base))
     server = SeaweedServer(data, volume_size_limit_mb=VOLUME_SIZE_LIMIT_MB)
     try:
         server.start()
@@ -51,6 +52,8 @@ def empty(server: SeaweedServer, bucket: str, prefix: str = "") -> int:
         freed += sum(item["Size"] for item in page.get("Contents", []))
         if keys:
             client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    if not freed:
+        return 0  # nothing deleted, nothing to compact (earlier deletes were)
     master = f"http://{server.host}:{server.ports['master']}"
     # A deleted needle keeps its bytes until its volume is compacted.
     httpx.get(f"{master}/vol/vacuum", params={"garbageThreshold": "0.0001"}, timeout=120)

@@ -10,9 +10,9 @@ Full mode measures two sizes (~600 MB and ~2 GB), quick mode one small one
 
 - ``bare copy``: the same tensors' bytes copied (``Tensor.copy_``) into one
   file in ``/dev/shm``, preallocated, mapped shared (``torch.from_file``) and
-  touched once before the first repetition. Nothing a staging into memory
-  could skip: it is the limit the other stalls are set against, and the
-  memory tier's target is a stall ≤ 2× it.
+  touched once before the copy (outside its timing), removed after it.
+  Nothing a staging into memory could skip: it is the limit the other
+  stalls are set against, and the memory tier's target is a stall ≤ 2× it.
 - ``memory staging``: ``TorchCheckpointer(staging="memory").save``: the
   state copied into a segment of the agent's memory tier (a file in its
   ``/dev/shm`` arena, in safetensors layout, written with ``pwrite`` from
@@ -41,7 +41,7 @@ Full mode measures two sizes (~600 MB and ~2 GB), quick mode one small one
   one ``upload_fileobj``. These two keep their ratio to tierckpt's stall.
 
 Uploads (tierckpt's and the boto3 baselines') go to a SeaweedFS server whose
-data is on a tmpfs (``tmpfs_store``), emptied after each repetition: a remote
+data is on a tmpfs (``tmpfs_store``), emptied after each variant: a remote
 store shares nothing with the agent's disk, and one on that disk would make
 the memory tier's T0 write, which runs after the save returns, compete with
 the store's own writes of the same upload. The boto3 client is configured as
@@ -126,8 +126,8 @@ def _tensors(torch: Any, model: Any, optimizer: Any) -> list[Any]:
 class _SharedArena:
     """One preallocated, pre-faulted file in /dev/shm mapped shared: the copy's destination."""
 
-    def __init__(self, torch: Any, nbytes: int, tag: str) -> None:
-        self.path = Path("/dev/shm") / f"tierckpt-bench-stall-{os.getpid()}-{tag}"
+    def __init__(self, torch: Any, nbytes: int, name: str) -> None:
+        self.path = Path("/dev/shm") / name
         with open(self.path, "wb") as handle:
             handle.truncate(nbytes)
         self.buffer = torch.from_file(str(self.path), shared=True, size=nbytes, dtype=torch.uint8)
@@ -198,12 +198,20 @@ def _measure_size(
         )
         for staging in ("memory", "disk")
     }
-    arena = _SharedArena(torch, tensor_bytes, str(width))
 
     def bare_copy(step: int) -> None:
-        began = time.perf_counter()
-        arena.copy_in(tensors)
-        results[BARE].append(time.perf_counter() - began)
+        # The arena lives only around its copy: at ~2 GB, held through the
+        # other variants beside the memory tier's segments and the tmpfs
+        # store, it was what pushed a 24 GB machine into the OOM killer.
+        # Named after the work directory, as every /dev/shm entry of the
+        # benchmark (leftovers.py).
+        arena = _SharedArena(torch, tensor_bytes, f"{ctx.work.name}-stall-{width}")
+        try:
+            began = time.perf_counter()
+            arena.copy_in(tensors)
+            results[BARE].append(time.perf_counter() - began)
+        finally:
+            arena.close()
 
     def staged_save(name: str, staging: str, step: int) -> None:
         nonlocal state_bytes
@@ -290,7 +298,7 @@ def _measure_size(
     }
     variants = [every[name] for name in names]
     # Two untimed memory-staged saves first, as the bare copy's arena is
-    # touched before its first repetition: a trainer's first two saves write
+    # touched before each copy: a trainer's first two saves write
     # into new tmpfs pages; from the third on the agent hands back the files
     # (and the trainer its mappings) of the save before last.
     for warm_step in (WARM_UP_STEP, WARM_UP_STEP + 1):
@@ -300,23 +308,21 @@ def _measure_size(
     # Quick mode: one repetition (torch's import and the model are most of
     # this scenario's time, and the ratios are several-fold).
     reps = 1 if ctx.quick else ctx.reps
-    try:
-        for rep in range(reps):
-            step = rep + 1
-            # New bytes for this repetition's saves (outside every timing).
-            _train_step(torch, model, optimizer, scheduler, width)
-            for offset in range(len(variants)):
-                settle()
-                variants[(rep + offset) % len(variants)](step)
-            log(
-                f"trainer stall {tensor_bytes / 1e6:.0f} MB rep {rep + 1}/{reps}: "
-                + ", ".join(f"{name} {results[name][-1]:.2f} s" for name in names)
-            )
-            # The tmpfs is memory: this repetition's objects (all durable,
-            # measured) give their room back before the next one.
+    for rep in range(reps):
+        step = rep + 1
+        # New bytes for this repetition's saves (outside every timing).
+        _train_step(torch, model, optimizer, scheduler, width)
+        for offset in range(len(variants)):
+            settle()
+            variants[(rep + offset) % len(variants)](step)
+            # The tmpfs is memory: each variant's objects (durable, measured)
+            # give their room back before the next variant, so the store
+            # never holds more than one state.
             empty(store, ctx.bucket)
-    finally:
-        arena.close()
+        log(
+            f"trainer stall {tensor_bytes / 1e6:.0f} MB rep {rep + 1}/{reps}: "
+            + ", ".join(f"{name} {results[name][-1]:.2f} s" for name in names)
+        )
 
     size = f"{tensor_bytes / 1e6:.0f} MB"
     bare = results[BARE]
@@ -450,7 +456,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         "rows": rows,
         "notes": [
             f"S3 (uploads of tierckpt and of the boto3 baselines): a SeaweedFS server whose "
-            f"data is on a tmpfs ({where}), emptied after each repetition, not the agent's disk.",
+            f"data is on a tmpfs ({where}), emptied after each variant, not the agent's disk.",
             "One training state per size (MLP weights + AdamW moments + scheduler + RNGs); "
             f"{1 if ctx.quick else ctx.reps} repetition(s) per size, rotating order, "
             "sync before each. Sizes are the tensors' bytes.",

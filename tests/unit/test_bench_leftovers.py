@@ -1,0 +1,107 @@
+"""The benchmark's watchdog: a benchmark killed with SIGKILL (as the OOM
+killer does) leaves no process it started and nothing in /dev/shm.
+
+Real processes: a stand-in benchmark calls ``leftovers.watch``, starts a
+child in a session of its own (as the agents and SeaweedFS servers are) and
+writes a /dev/shm entry named after its work directory; then it is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from benchmarks import leftovers
+
+REPO = Path(__file__).resolve().parents[2]
+
+BENCH = """
+import subprocess, sys
+from pathlib import Path
+from benchmarks import leftovers
+work = Path(sys.argv[1])
+leftovers.watch(work, keep=sys.argv[2] == "keep")
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                         start_new_session=True)
+(Path("/dev/shm") / f"{work.name}-segment").write_bytes(b"x" * 4096)
+print(child.pid, flush=True)
+import time; time.sleep(600)
+"""
+
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child of the stand-in is reaped by init; a zombie is gone too.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _eventually(check: object, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_sigkilled_benchmark_leaves_no_process_and_nothing_in_dev_shm(
+    tmp_path: Path, keep: bool
+) -> None:
+    work = tmp_path / f"tierckpt-bench-{uuid.uuid4().hex[:10]}"
+    work.mkdir()
+    (work / "catalog.db").write_bytes(b"")
+    segment = Path("/dev/shm") / f"{work.name}-segment"
+    bench = subprocess.Popen(
+        [sys.executable, "-c", BENCH, str(work), "keep" if keep else "no"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert bench.stdout is not None
+        child = int(bench.stdout.readline())
+        assert _alive(child) and segment.exists()
+        assert child in leftovers.marked(work)
+
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(10)
+
+        assert _eventually(lambda: not _alive(child)), "the benchmark's child outlived it"
+        assert _eventually(lambda: not segment.exists()), "its /dev/shm entry stayed"
+        assert work.exists() is keep
+    finally:
+        bench.kill()
+        bench.wait(10)
+        if bench.stdout is not None:
+            bench.stdout.close()
+        segment.unlink(missing_ok=True)
+
+
+def test_the_watchdog_touches_only_its_own_runs_entries(tmp_path: Path) -> None:
+    work = tmp_path / f"tierckpt-bench-{uuid.uuid4().hex[:10]}"
+    work.mkdir()
+    # As after a normal end: nothing marked runs, nothing of this run is in
+    # /dev/shm. Nothing is done, and another run's entry is not touched.
+    other = Path("/dev/shm") / f"tierckpt-bench-other-{uuid.uuid4().hex[:10]}"
+    other.write_bytes(b"")
+    try:
+        assert leftovers.clean(work, keep=True) == []
+        assert other.exists()
+    finally:
+        other.unlink()
