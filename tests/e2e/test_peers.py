@@ -67,7 +67,7 @@ def peer_agent(
     tokens: bool = False,
     **sections: dict[str, Any],
 ) -> ServeProcess:
-    tables: dict[str, dict[str, Any]] = {
+    tables: dict[str, Any] = {
         "worker": {"poll_interval": 0.1, "backoff_base": 0.1, "backoff_max": 1.0},
         "peers": {"copies": 1, "interval_seconds": 0.3, "lease_seconds": 3},
         "scrub": {"enabled": False},
