@@ -69,10 +69,17 @@ def marked(work: Path) -> list[int]:
 def clean(work: Path, *, keep: bool) -> list[str]:
     """Kill the marked processes, remove the /dev/shm entries (and the work directory)."""
     done = []
-    for pid in marked(work):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-            done.append(f"killed {pid}")
+    # Again until none is found: a process may start one while it is killed
+    # (an agent its worker), and one just started shows no environment yet.
+    for _ in range(5):
+        found = marked(work)
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                done.append(f"killed {pid}")
+        time.sleep(0.2)
     for path in shm_paths(work) + ([] if keep else [work]):
         if path.exists():
             if path.is_dir():
