@@ -35,14 +35,13 @@ def watch(work: Path, *, keep: bool) -> subprocess.Popen[bytes]:
     if keep:
         command.append("--keep")
     # Its own session: a Ctrl-C or a SIGKILL of the benchmark's group must not take it along.
-    watchdog = subprocess.Popen(
+    return subprocess.Popen(
         command,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
         env={key: value for key, value in os.environ.items() if key != MARK},
         cwd=Path(__file__).resolve().parents[1],
     )
-    return watchdog
 
 
 def shm_paths(work: Path) -> list[Path]:

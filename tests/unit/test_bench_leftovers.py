@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,10 +51,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _eventually(check: object, timeout: float = 20) -> bool:
+def _eventually(check: Callable[[], bool], timeout: float = 20) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
+        if check():
             return True
         time.sleep(0.05)
     return False
@@ -67,12 +68,16 @@ def test_a_sigkilled_benchmark_leaves_no_process_and_nothing_in_dev_shm(
     work.mkdir()
     (work / "catalog.db").write_bytes(b"")
     segment = Path("/dev/shm") / f"{work.name}-segment"
+    # The watchdog and the child inherit the stand-in's pipes: they reach
+    # their end once all three have exited, the watchdog last.
     bench = subprocess.Popen(
         [sys.executable, "-c", BENCH, str(work), "keep" if keep else "no"],
         cwd=REPO,
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
+    child = 0
     try:
         assert bench.stdout is not None
         child = int(bench.stdout.readline())
@@ -82,16 +87,17 @@ def test_a_sigkilled_benchmark_leaves_no_process_and_nothing_in_dev_shm(
         assert _eventually(lambda: child in leftovers.marked(work))
 
         bench.send_signal(signal.SIGKILL)
-        bench.wait(10)
+        _, said = bench.communicate(timeout=30)  # the watchdog has done its work
 
-        assert _eventually(lambda: not _alive(child)), "the benchmark's child outlived it"
-        assert _eventually(lambda: not segment.exists()), "its /dev/shm entry stayed"
+        assert not _alive(child), "the benchmark's child outlived it"
+        assert not segment.exists(), "its /dev/shm entry stayed"
         assert work.exists() is keep
+        assert f"killed {child}" in said
     finally:
+        if child and _alive(child):  # a failed test: the child holds the pipes too
+            os.kill(child, signal.SIGKILL)
         bench.kill()
-        bench.wait(10)
-        if bench.stdout is not None:
-            bench.stdout.close()
+        bench.communicate(timeout=30)
         segment.unlink(missing_ok=True)
 
 
