@@ -37,6 +37,7 @@ import httpx
 import pytest
 
 from devsupport import postgres as pg
+from devsupport.agent import s3_region
 from devsupport.processes import ServeProcess, agent_config
 from devsupport.seaweed import SeaweedServer
 
@@ -306,17 +307,14 @@ def test_chaos_loses_nothing(
 ) -> None:
     east_bucket = seaweed.create_bucket(f"chaos-east-{uuid.uuid4().hex[:10]}")
     west_bucket = seaweed_west.create_bucket(f"chaos-west-{uuid.uuid4().hex[:10]}")
-    credentials = {"access_key_id": "tierckpt", "secret_access_key": "tierckpt-secret"}
     config = agent_config(
         tmp_path,
         name="chaos",
         node="chaos-node",
         catalog_url=chaos_catalog,
         regions=[
-            {"name": "east", "kind": "s3", "endpoint_url": seaweed.endpoint_url,
-             "bucket": east_bucket, "prefix": PREFIX, **credentials},
-            {"name": "west", "kind": "s3", "endpoint_url": seaweed_west.endpoint_url,
-             "bucket": west_bucket, "prefix": PREFIX, **credentials},
+            s3_region("east", seaweed.endpoint_url, east_bucket, prefix=PREFIX),
+            s3_region("west", seaweed_west.endpoint_url, west_bucket, prefix=PREFIX),
         ],
         server={"rate_limit_per_second": 0},
         upload={"part_size_mb": 5, "parts_in_flight": 4},

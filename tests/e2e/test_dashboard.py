@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from devsupport.agent import token_entry, write_checkpoint
+from devsupport.agent import s3_region, token_entry, write_checkpoint
 from devsupport.processes import agent_config, cli
 from devsupport.seaweed import SeaweedServer
 
@@ -101,31 +101,18 @@ def test_dashboard_shows_a_region_outage(
     seaweed_west: SeaweedServer,
 ) -> None:
     west_bucket = seaweed_west.create_bucket(f"west-{uuid.uuid4().hex[:12]}")
-    credentials = {"access_key_id": "tierckpt", "secret_access_key": "tierckpt-secret"}
     config = agent_config(
         tmp_path,
         node="ui-node",
         catalog_url=f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}",
         worker={"poll_interval": 0.1, "backoff_base": 0.2, "backoff_max": 1.0},
         regions=[
+            s3_region("east", seaweed.endpoint_url, s3_bucket, prefix="ui"),
+            # Stopped below: each job attempt fails at once and the worker's
+            # quick backoff retries it (not the SDK's own).
             {
-                "name": "east",
-                "kind": "s3",
-                "endpoint_url": seaweed.endpoint_url,
-                "bucket": s3_bucket,
-                "prefix": "ui",
-                **credentials,
-            },
-            {
-                "name": "west",
-                "kind": "s3",
-                "endpoint_url": seaweed_west.endpoint_url,
-                "bucket": west_bucket,
-                "prefix": "ui",
-                # Stopped below: each job attempt fails at once and the
-                # worker's quick backoff retries it (not the SDK's own).
+                **s3_region("west", seaweed_west.endpoint_url, west_bucket, prefix="ui"),
                 "request_attempts": 1,
-                **credentials,
             },
         ],
         tokens=[token_entry("ui", READER, "reader"), token_entry("train", TRAINER, "trainer")],

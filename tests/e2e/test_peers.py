@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from devsupport import postgres as pg
-from devsupport.agent import write_checkpoint
+from devsupport.agent import posix_region, s3_region, write_checkpoint
 from devsupport.processes import ServeProcess, cli, node_config
 from devsupport.s3proxy import S3FaultProxy
 from devsupport.seaweed import SeaweedServer
@@ -87,7 +87,7 @@ def peer_agent(
 
 
 def posix(tmp_path: Path) -> dict[str, Any]:
-    return {"name": "east", "kind": "posix", "root": str(tmp_path / "region")}
+    return posix_region("east", tmp_path / "region")
 
 
 def poll(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
@@ -199,25 +199,13 @@ def test_copy_on_a_peer_corrupted_then_skipped_scrubbed_and_made_again(
         assert peer_state(a, "pr", 2, "node-b") == "committed"
 
 
-def s3_region(endpoint_url: str, bucket: str) -> dict[str, Any]:
-    return {
-        "name": "east",
-        "kind": "s3",
-        "endpoint_url": endpoint_url,
-        "bucket": bucket,
-        "prefix": "peers",
-        "access_key_id": "tierckpt",
-        "secret_access_key": "tierckpt-secret",
-    }
-
-
 def test_node_lost_before_upload_restorable_from_peer_which_makes_it_durable(
     tmp_path: Path, catalog: str, seaweed: SeaweedServer, s3_bucket: str, s3_client: Any
 ) -> None:
     # Short leases: a dead agent's jobs and its place are taken over quickly.
     worker = {"poll_interval": 0.1, "backoff_base": 0.1, "backoff_max": 1.0, "lease_seconds": 2}
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        region = s3_region(proxy.endpoint_url, s3_bucket)
+        region = s3_region("east", proxy.endpoint_url, s3_bucket, prefix="peers")
         a = peer_agent(tmp_path, "node-a", catalog, region, worker=worker).start()
         with peer_agent(tmp_path, "node-b", catalog, region, worker=worker) as b:
             proxy.fail(503, "ServiceUnavailable")  # the region goes down before the save
@@ -339,7 +327,7 @@ def test_a_dead_peers_copy_is_made_again_on_a_live_one(
     tmp_path: Path, catalog: str, seaweed: SeaweedServer, s3_bucket: str
 ) -> None:
     with S3FaultProxy(seaweed.endpoint_url) as proxy:
-        region = s3_region(proxy.endpoint_url, s3_bucket)
+        region = s3_region("east", proxy.endpoint_url, s3_bucket, prefix="peers")
         agents = {
             name: peer_agent(tmp_path, name, catalog, region).start()
             for name in ("node-a", "node-b", "node-c")

@@ -65,9 +65,7 @@ def gone(pid: int, timeout: float = 30) -> bool:
 
 
 @pytest.fixture
-def configured(
-    tmp_path: Path, catalog_url: str, seaweed: SeaweedServer, s3_bucket: str
-) -> AgentConfig:
+def config(tmp_path: Path, catalog_url: str, seaweed: SeaweedServer, s3_bucket: str) -> AgentConfig:
     return agent_config(
         tmp_path,
         catalog_url=catalog_url,
@@ -80,13 +78,13 @@ def configured(
 
 
 def test_kill9_mid_upload_loses_nothing(
-    configured: AgentConfig,
+    config: AgentConfig,
     tmp_path: Path,
     s3_client: Any,
     s3_bucket: str,
     catalog_url: str,
 ) -> None:
-    config, ssd = configured, configured.ssd
+    ssd = config.ssd
     files: dict[str, bytes | int] = {
         "model/weights.bin": 110 << 20,
         "model/nested/deep/optim.bin": 3 << 20,
@@ -173,13 +171,13 @@ def test_kill9_mid_upload_loses_nothing(
 
 
 def test_kill9_mid_replication_leaves_no_open_upload(
-    configured: AgentConfig,
+    config: AgentConfig,
     tmp_path: Path,
     seaweed_west: SeaweedServer,
 ) -> None:
     """A replicate job killed mid-copy leaves a multipart upload open in the
     target region; its retry aborts it, then copies, and nothing is lost."""
-    config, ssd = configured, configured.ssd
+    ssd = config.ssd
     west_bucket = seaweed_west.create_bucket(f"west-{uuid.uuid4().hex[:12]}")
     west = boto3_client(seaweed_west.endpoint_url)
     text = config.path.read_text()
@@ -217,8 +215,8 @@ def test_kill9_mid_replication_leaves_no_open_upload(
         assert sha256_object(west, west_bucket, key) == sha256_file(ckpt / "weights.bin")
 
 
-def test_sigterm_releases_work_and_cli_exit_codes(configured: AgentConfig, tmp_path: Path) -> None:
-    config, ssd = configured, configured.ssd
+def test_sigterm_releases_work_and_cli_exit_codes(config: AgentConfig, tmp_path: Path) -> None:
+    ssd = config.ssd
     # No drain (tests/e2e/test_drain.py has it): SIGTERM gives the job back.
     text = config.path.read_text()
     config.path.write_text(text.replace("[worker]\n", "[worker]\ndrain_seconds = 0\n"))
