@@ -65,6 +65,7 @@ from devsupport.seaweed import SeaweedServer, boto3_client
 from tierckpt.client import CheckpointClient
 
 from ..context import BASELINE_PREFIX, BenchContext, log, s3_region, settle
+from ..procstat import cpu_seconds
 from ..stats import ratios, row
 from ..tmpfs_store import empty, tmpfs_seaweed
 
@@ -173,8 +174,15 @@ def _measure_size(
     results: dict[str, list[float]] = {name: [] for name in names}
     dcp_done: list[float] = []
     durable: dict[str, list[float]] = {MEMORY: [], DISK: []}
+    # The store's CPU seconds per GB from the return to durable: on these two
+    # cores it is the largest share of an upload's work, and it varies on its
+    # own from one upload to the next; beside each save → durable it shows
+    # how much of that figure's spread is the store's, not the agent's.
+    store_cpu: dict[str, list[float]] = {MEMORY: [], DISK: []}
     boto3_upload: list[float] = []
     state_bytes = 0
+    store_pid = store.pid
+    assert store_pid is not None, "the store is running"
 
     def state(step: int) -> dict[str, Any]:
         return {
@@ -220,11 +228,14 @@ def _measure_size(
         checkpoint = checkpointer.save(step)
         results[name].append(time.perf_counter() - began)
         returned = time.time()
+        store_before = cpu_seconds(store_pid)
         if staging == "memory" and checkpoint.state != "staged":
             raise RuntimeError(f"memory staging went to disk: {checkpoint.state}")
         done = client.wait(checkpointer.run, step, state="durable", timeout=900, poll_interval=0.02)
         if done.durable_at is not None:
             durable[name].append(done.durable_at.timestamp() - returned)
+            gigabytes = (done.total_bytes or tensor_bytes) / 1e9
+            store_cpu[name].append((cpu_seconds(store_pid) - store_before) / gigabytes)
         state_bytes = done.total_bytes or state_bytes
         # Durable: the T0 copy is not needed by the benchmark any more.
         shutil.rmtree(checkpointer.path_of(step), ignore_errors=True)
@@ -305,6 +316,7 @@ def _measure_size(
         staged_save(MEMORY, "memory", warm_step)
         results[MEMORY].pop()
         durable[MEMORY].pop()
+        store_cpu[MEMORY].pop()
     # Quick mode: one repetition (torch's import and the model are most of
     # this scenario's time, and the ratios are several-fold).
     reps = 1 if ctx.quick else ctx.reps
@@ -387,6 +399,22 @@ def _measure_size(
             ratio_values=ratios(durable[MEMORY], durable[DISK]),
             note="not a stall; the agent uploads from the segment while it writes T0",
         ),
+        row(
+            f"{size}: the store's CPU from save returned to durable, disk staging",
+            "store CPU",
+            "s/GB",
+            store_cpu[DISK],
+            note="SeaweedFS (it stands for a remote store; here it shares the 2 cores)",
+        ),
+        row(
+            f"{size}: the store's CPU from save returned to durable, memory staging",
+            "store CPU",
+            "s/GB",
+            store_cpu[MEMORY],
+            ratio_label="memory / disk",
+            ratio_values=ratios(store_cpu[MEMORY], store_cpu[DISK]),
+            note="the same bytes: its spread is the store's own, which the durable times follow",
+        ),
     ]
     s3_notes = {
         WRITE_BOTO3: ("write + boto3 upload_file", "same files"),
@@ -418,6 +446,7 @@ def _measure_size(
         **{name: values for name, values in results.items()},
         "dcp_future_done": dcp_done,
         "returned_to_durable": durable,
+        "store_cpu_seconds_per_gb": store_cpu,
         "boto3_upload_only": boto3_upload,
     }
     return rows, details
