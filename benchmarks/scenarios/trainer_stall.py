@@ -148,6 +148,23 @@ class _SharedArena:
         self.path.unlink(missing_ok=True)
 
 
+def memory_against_disk(
+    label: str, metric: tuple[str, str], values: dict[str, list[float]], notes: tuple[str, str]
+) -> list[dict[str, Any]]:
+    """Two rows, disk staging then memory staging with its ratio to disk."""
+    return [
+        row(f"{label}, disk staging", *metric, values[DISK], note=notes[0]),
+        row(
+            f"{label}, memory staging",
+            *metric,
+            values[MEMORY],
+            ratio_label="memory / disk",
+            ratio_values=ratios(values[MEMORY], values[DISK]),
+            note=notes[1],
+        ),
+    ]
+
+
 def _measure_size(
     ctx: BenchContext,
     torch: Any,
@@ -383,37 +400,20 @@ def _measure_size(
             ratio_values=ratios(dcp_done, bare),
             note="not a stall: files written + fsynced",
         ),
-        row(
-            f"{size}: save returned → durable, disk staging",
-            "background",
-            "s",
-            durable[DISK],
-            note="not a stall",
+        *memory_against_disk(
+            f"{size}: save returned → durable",
+            ("background", "s"),
+            durable,
+            ("not a stall", "not a stall; the agent uploads from the segment while it writes T0"),
         ),
-        row(
-            f"{size}: save returned → durable, memory staging",
-            "background",
-            "s",
-            durable[MEMORY],
-            ratio_label="memory / disk",
-            ratio_values=ratios(durable[MEMORY], durable[DISK]),
-            note="not a stall; the agent uploads from the segment while it writes T0",
-        ),
-        row(
-            f"{size}: the store's CPU from save returned to durable, disk staging",
-            "store CPU",
-            "s/GB",
-            store_cpu[DISK],
-            note="SeaweedFS (it stands for a remote store; here it shares the 2 cores)",
-        ),
-        row(
-            f"{size}: the store's CPU from save returned to durable, memory staging",
-            "store CPU",
-            "s/GB",
-            store_cpu[MEMORY],
-            ratio_label="memory / disk",
-            ratio_values=ratios(store_cpu[MEMORY], store_cpu[DISK]),
-            note="the same bytes: its spread is the store's own, which the durable times follow",
+        *memory_against_disk(
+            f"{size}: the store's CPU from save returned to durable",
+            ("store CPU", "s/GB"),
+            store_cpu,
+            (
+                "SeaweedFS (it stands for a remote store; here it shares the 2 cores)",
+                "the same bytes: its spread is the store's own, which the durable times follow",
+            ),
         ),
     ]
     s3_notes = {
