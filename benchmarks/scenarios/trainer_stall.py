@@ -27,6 +27,9 @@ Full mode measures two sizes (~600 MB and ~2 GB), quick mode one small one
 - For both: save returned → durable (the agent's ``durable_at`` minus the
   trainer's clock when ``save`` returned; one machine, one clock), waited
   for outside the timing. Target: memory staging no slower than disk.
+  Beside it, the store's CPU seconds per GB over the same time: on the
+  benchmark machine the store shares the cores (a remote one would not),
+  and its CPU per upload varies on its own.
 - ``torch.save + fsync``: one ``torch.save`` of the same state dicts to a file
   on the agent's disk, then ``fsync``.
 - ``DCP async_save``: ``torch.distributed.checkpoint.async_save`` of the same
@@ -148,7 +151,7 @@ class _SharedArena:
         self.path.unlink(missing_ok=True)
 
 
-def memory_against_disk(
+def _memory_against_disk(
     label: str, metric: tuple[str, str], values: dict[str, list[float]], notes: tuple[str, str]
 ) -> list[dict[str, Any]]:
     """Two rows, disk staging then memory staging with its ratio to disk."""
@@ -400,13 +403,13 @@ def _measure_size(
             ratio_values=ratios(dcp_done, bare),
             note="not a stall: files written + fsynced",
         ),
-        *memory_against_disk(
+        *_memory_against_disk(
             f"{size}: save returned → durable",
             ("background", "s"),
             durable,
             ("not a stall", "not a stall; the agent uploads from the segment while it writes T0"),
         ),
-        *memory_against_disk(
+        *_memory_against_disk(
             f"{size}: the store's CPU from save returned to durable",
             ("store CPU", "s/GB"),
             store_cpu,
