@@ -79,7 +79,9 @@ schema.app = APP  # requests go through ASGI, in process
 
 @pytest.fixture(scope="module", autouse=True)
 def running_app() -> Iterator[Any]:
-    (WORK / "ssd").mkdir(exist_ok=True)
+    # Set up again, with WORK made anew, when the module's tests reach this
+    # worker in two parts (`make test` has its workers steal tests).
+    (WORK / "ssd").mkdir(parents=True, exist_ok=True)
     upgrade(CATALOG)
     # One run with a checkpoint, registered through the same app.
     ckpt = write_checkpoint(WORK / "ssd" / "seed", {"w.bin": b"weights", "m.json": b"{}"})
