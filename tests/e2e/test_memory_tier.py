@@ -119,9 +119,15 @@ def test_restart_on_the_node_may_resume_from_a_checkpoint_not_durable_yet(
     # Slow steps: step 10 is saved well after step 5 is durable.
     trainer = Trainer([*argv, "--sleep", "0.3"], tmp_path / "trainer-1.log")
     trainer.until("checkpoint", step=5)
-    wait_durable(agent.url, run, 5)
-    # The store stalls: step 10 reaches T0 and the catalog but not the region.
-    os.kill(seaweed.pid, signal.SIGSTOP)
+    # Held until step 5 is durable: on a busy machine its upload can take
+    # longer than the trainer's way to step 10, which must not reach the store.
+    os.kill(trainer.proc.pid, signal.SIGSTOP)
+    try:
+        wait_durable(agent.url, run, 5)
+        # The store stalls: step 10 reaches T0 and the catalog but not the region.
+        os.kill(seaweed.pid, signal.SIGSTOP)
+    finally:
+        os.kill(trainer.proc.pid, signal.SIGCONT)
     try:
         trainer.until("done")
         assert trainer.wait() == 0
