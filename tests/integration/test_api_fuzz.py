@@ -79,8 +79,8 @@ schema.app = APP  # requests go through ASGI, in process
 
 @pytest.fixture(scope="module", autouse=True)
 def running_app() -> Iterator[Any]:
-    # Set up again, with WORK made anew, when the module's tests reach this
-    # worker in two parts (`make test` has its workers steal tests).
+    # Set up again, with WORK made anew, when the module's tests reach a
+    # worker in two parts (pytest-xdist's `--dist worksteal` does that).
     (WORK / "ssd").mkdir(parents=True, exist_ok=True)
     upgrade(CATALOG)
     # One run with a checkpoint, registered through the same app.

@@ -142,6 +142,9 @@ async def agent(tmp_path: Path) -> AsyncIterator[Agent]:
                 headers=bearer(ADMIN),
             )
             assert answer.status_code == 202, answer.text
+            # Answered from the agent's inbox (SQLite's default): the listing
+            # the tests read comes from the catalog, written behind the answer.
+            await running.in_catalog(run)
         yield running
 
 
