@@ -54,6 +54,18 @@ async def settle_run(request: Request, agent: AgentDep) -> None:
 SettledRun = Depends(settle_run)
 
 
+async def settle_runs(agent: AgentDep) -> None:
+    """Read your own registrations in a listing of runs: every run's records
+    pending in this agent's inbox are written to the catalog first, so a run
+    registered a moment ago is listed (the records pending at the call only:
+    a stream of new registrations cannot hold the listing)."""
+    if agent.inbox is not None:
+        await agent.inbox.settled(None)
+
+
+SettledRuns = Depends(settle_runs)
+
+
 async def get_registrations(agent: AgentDep) -> RegistrationBatcher:
     """The agent's registration writer (group commit)."""
     return agent.registrations

@@ -250,14 +250,18 @@ class RegistrationInbox:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def settled(self, run: str, step: int | None = None, timeout: float = 5.0) -> bool:
-        """Wait until the records of ``run`` (at ``step``) are in the catalog
-        (or refused); False if some still are not after ``timeout``."""
+    async def settled(self, run: str | None, step: int | None = None, timeout: float = 5.0) -> bool:
+        """Wait until the records of ``run`` (at ``step``; every run's when
+        ``run`` is None) are in the catalog (or refused); False if some still
+        are not after ``timeout``. Only the records pending at the call are
+        waited for: a stream of new ones cannot hold the caller."""
         # Records live milliseconds: the pending ones are few, when any.
-        if step is not None:
+        if run is not None and step is not None:
             entries = list(self._by_key.get((run, step), []))
         else:
-            entries = [e for key, same in self._by_key.items() if key[0] == run for e in same]
+            entries = [
+                e for key, same in self._by_key.items() if run in (None, key[0]) for e in same
+            ]
         if not entries:
             return True
         with contextlib.suppress(TimeoutError):

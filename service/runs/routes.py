@@ -6,14 +6,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from ..deps import PrincipalDep, ResourcesDep, SessionDep, SettledRun
+from ..deps import PrincipalDep, ResourcesDep, SessionDep, SettledRun, SettledRuns
 from .schemas import RunPage
 from .service import runs_page
 
 router = APIRouter(prefix="/v1", tags=["runs"], dependencies=[SettledRun])
 
 
-@router.get("/runs", response_model=RunPage)
+@router.get("/runs", response_model=RunPage, dependencies=[SettledRuns])
 async def list_runs(
     session: SessionDep,
     principal: PrincipalDep,

@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import DictLoader, Environment, select_autoescape
 
 from ..auth import Action, Principal, authenticate
-from ..deps import ResourcesDep, SessionDep, SettledRun
+from ..deps import ResourcesDep, SessionDep, SettledRun, SettledRuns
 from ..errors import Unauthorized
 from ..models import utcnow
 from . import svg
@@ -123,7 +123,7 @@ def _login(request: Request, message: str, status: int) -> HTMLResponse:
 TokenQuery = Annotated[str | None, Query(description="once: stored in a cookie")]
 
 
-@router.get("", response_class=HTMLResponse)
+@router.get("", response_class=HTMLResponse, dependencies=[SettledRuns])
 async def runs_page(
     request: Request, resources: ResourcesDep, session: SessionDep, token: TokenQuery = None
 ) -> Response:

@@ -83,6 +83,31 @@ async def test_a_checkpoint_the_catalog_holds_is_refused_or_added_as_before(
         assert [c["step"] for c in listed.json()["checkpoints"]] == [5]
 
 
+async def test_listings_wait_for_the_records_they_would_miss(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    """Read your own registrations: a run answered from the inbox a moment ago
+    is in the runs listing, the dashboard's and its own checkpoints listing,
+    which wait for its record to reach the catalog rather than answer
+    without it."""
+    async with running_agent(catalog_url, tmp_path, start_worker=False, catalog=RECORDED) as agent:
+        path = write_checkpoint(agent.ssd / "fresh", {"w.bin": 100})
+        with catalog_write_lock(catalog_url):
+            answer = await agent.register("fresh-run", 1, path, settle=False)
+            assert answer.status_code == 202, answer.text
+            reads = [
+                asyncio.create_task(agent.http.get(url))
+                for url in ("/v1/runs", "/ui", "/v1/runs/fresh-run/checkpoints")
+            ]
+            await asyncio.sleep(0.5)
+            # Lock-free reads would have answered by now, without the run.
+            assert not any(read.done() for read in reads)
+        runs, page, checkpoints = [await asyncio.wait_for(read, 30) for read in reads]
+        assert [r["run"] for r in runs.json()["runs"]] == ["fresh-run"], runs.text
+        assert page.status_code == 200 and "fresh-run" in page.text
+        assert [c["step"] for c in checkpoints.json()["checkpoints"]] == [1]
+
+
 async def test_the_ranks_of_a_new_checkpoint_recorded_together(
     catalog_url: str, tmp_path: Path
 ) -> None:
