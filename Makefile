@@ -60,9 +60,14 @@ serve: $(STAMP)
 # trainers), so two workers overlap those waits even on a 2-core machine.
 # Every test has its own ports, directories, buckets and PostgreSQL database
 # (conftest.py), so workers share nothing. TEST_WORKERS=0 runs it serially.
+# Work stealing: xdist's default hands each worker its share up front, and
+# the end-to-end tests (up to a minute each, collected together) piled up on
+# one worker while the other finished the rest and stopped, half-way through.
+# A module's tests may then run on both workers, so a module-scoped fixture
+# must stand on its own when it is set up twice.
 TEST_WORKERS ?= 2
 test: $(STAMP) browser slurm
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist worksteal) $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
