@@ -88,6 +88,11 @@ LOAD_FILE_BYTES = 8 * MiB
 TARGET_P99_MS = 10.0
 # An orchestrator's poll of `latest`, apart from the register stream.
 POLL_SECONDS = 0.01
+# The paced streams: a registration every PACE_SECONDS (20 a second, more
+# than a node's ranks send even with a checkpoint every few seconds), so the
+# background work is mostly the load's uploads rather than the timed
+# stream's own tiny checkpoints, registered back to back.
+PACE_SECONDS = 0.05
 # idle: worker off; load: the worker in its own process (worker_process.py);
 # load-other: the same load, registrations answered the other way ([catalog]
 # register_ack: "committed" on SQLite, "recorded" on PostgreSQL, where "auto",
@@ -372,16 +377,39 @@ class _AgentTimes:
         return {kind: values[WARMUP:] for kind, values in self.times.items()}
 
 
-def _timed(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, list[float]]:
+class _Pace:
+    """Waits between the calls of a paced stream (``seconds`` apart, start to
+    start; ``None``: back to back)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self._next = time.perf_counter()
+
+    def wait(self) -> None:
+        if self.seconds is None:
+            return
+        self._next += self.seconds
+        delay = self._next - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        else:  # late (a slow call): the next call starts now, no catching up
+            self._next = time.perf_counter()
+
+
+def _timed(
+    agent: Agent, base: Path, run_name: str, count: int, pace: float | None = None
+) -> dict[str, list[float]]:
     source = base / "tiny.bin"
     write_random(source, TINY_BYTES)
     samples: dict[str, list[float]] = {"register": [], "latest": []}
     request_id = f"bench-timed-{run_name}"
+    pacer = _Pace(pace)
     with CheckpointClient(agent.url) as client:
         # Tags the timed requests in the agent's request log (the load's are not).
         client._http.headers["x-request-id"] = request_id
         own = _AgentTimes(client)
         for step in range(1, WARMUP + count + 1):
+            pacer.wait()
             # A directory per step: T0 eviction removes older steps' files.
             tiny = base / f"step-{step}"
             tiny.mkdir(parents=True)
@@ -448,7 +476,9 @@ def _timed_polls(agent: Agent, run_name: str, count: int) -> dict[str, list[floa
     return {"latest_polled": samples, "server_latest_polled": own.after_warmup()["server_latest"]}
 
 
-def _timed_staged(agent: Agent, base: Path, run_name: str, count: int) -> dict[str, list[float]]:
+def _timed_staged(
+    agent: Agent, base: Path, run_name: str, count: int, pace: float | None = None
+) -> dict[str, list[float]]:
     """The trainer's default path (``TorchCheckpointer(staging="memory")``):
     reserve a segment in the agent's memory tier, write the tiny file into
     it, register the segment, then ask for ``latest``, sequentially. The
@@ -457,9 +487,11 @@ def _timed_staged(agent: Agent, base: Path, run_name: str, count: int) -> dict[s
     these checkpoints add their persisting to the load."""
     payload = os.urandom(TINY_BYTES)
     samples: dict[str, list[float]] = {"reserve": [], "stage": [], "stall": []}
+    pacer = _Pace(pace)
     with CheckpointClient(agent.url) as client:
         own = _AgentTimes(client)
         for step in range(1, WARMUP + count + 1):
+            pacer.wait()
             began = time.perf_counter()
             segment = client.reserve_segment(run_name, step, {"model.bin": TINY_BYTES})
             reserved = time.perf_counter()
@@ -511,6 +543,7 @@ def _catalogs() -> list[str]:
 
 def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
     count = 100 if ctx.quick else 300
+    paced_count = 60 if ctx.quick else 200
     reps = max(1, min(ctx.reps, 2 if ctx.quick else 3))
     results: dict[str, dict[str, list[dict[str, list[float]]]]] = {}
     load_totals: dict[str, Any] = {}
@@ -558,6 +591,26 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                     else {}
                                 )
                             samples.update({f"segment_{k}": v for k, v in staged.items()})
+                            if mode == "load":
+                                # The same two paths, paced, under the same load.
+                                paced = _timed(
+                                    agent,
+                                    ctx.ssd / name / f"paced{rep}",
+                                    f"bench-paced-{rep}",
+                                    paced_count,
+                                    PACE_SECONDS,
+                                )
+                                paced_staged = _timed_staged(
+                                    agent,
+                                    ctx.ssd / name / f"paced-staged{rep}",
+                                    f"bench-paced-staged-{rep}",
+                                    paced_count,
+                                    PACE_SECONDS,
+                                )
+                                samples.update({f"paced_{k}": v for k, v in paced.items()})
+                                samples.update(
+                                    {f"paced_segment_{k}": v for k, v in paced_staged.items()}
+                                )
                             samples["fsync"], samples["wake"] = floor.fsync, floor.wake
                             samples["client_gc"] = gcs.ms
                             per_mode[mode].append(samples)
@@ -573,6 +626,14 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                     "; memory segment register p99 "
                                     f"{percentile(samples['segment_stage'], 99):.1f} ms"
                                     if samples.get("segment_stage")
+                                    else ""
+                                )
+                                + (
+                                    "; paced: register p99 "
+                                    f"{percentile(samples['paced_register'], 99):.1f} ms, "
+                                    "memory segment register p99 "
+                                    f"{percentile(samples['paced_segment_stage'], 99):.1f} ms"
+                                    if samples.get("paced_register")
                                     else ""
                                 )
                             )
@@ -607,6 +668,21 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     f"server_{call}",
                     target=mode == "load",
                 )
+    # The paced streams: the load's uploads are the background work.
+    pace_label = f"one every {PACE_SECONDS * 1000:.0f} ms, {labels['load']}"
+    for catalog_name, per_mode in results.items():
+        for call, label in (
+            ("register", "register (files on T0)"),
+            ("latest", "latest right after"),
+            ("segment_stage", 'register of a memory segment (staging="memory")'),
+        ):
+            rows += _timed_rows(
+                f"{catalog_name} {label}, paced: {pace_label}",
+                per_mode["load"],
+                f"paced_{call}",
+                f"paced_{'segment_server_stage' if call == 'segment_stage' else 'server_' + call}",
+                target=True,
+            )
     for catalog_name, per_mode in results.items():
         for mode in ("load", "load-other", "idle"):
             rows += _timed_rows(
@@ -705,6 +781,14 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "SQLite; the catalog's write and its fsync follow behind the answer), or at its "
         'commit ("committed", the default on PostgreSQL); "the other register_ack" rows '
         "measure each catalog the other way under the same load.",
+        f"paced: in each loaded round, after the streams above, {paced_count} register + "
+        f"latest of the files path, then {paced_count} memory-segment saves, one every "
+        f"{PACE_SECONDS * 1000:.0f} ms (start to start) instead of back to back: a node's "
+        "trainers register a few checkpoints a second at most, so here the background work "
+        "the registrations meet is mostly the load's uploads, commits, replication, "
+        "scrubbing and retention rather than the timed stream's own hundreds of tiny "
+        "checkpoints, as in the back-to-back rows (a stress form: the agent, its worker "
+        "and the store then keep both cores busy with the timed client's own work).",
         "`agent's own`: the median over rounds of the agent's request-log duration for the "
         "same requests (the rest of the client figure is HTTP and the client's own scan).",
         "agent's phases (its request log, each phase's own percentile): scan (the files' "
