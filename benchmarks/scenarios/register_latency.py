@@ -591,7 +591,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                     else {}
                                 )
                             samples.update({f"segment_{k}": v for k, v in staged.items()})
-                            if mode == "load":
+                            if mode != "idle":
                                 # The same two paths, paced, under the same load.
                                 paced = _timed(
                                     agent,
@@ -669,20 +669,22 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     target=mode == "load",
                 )
     # The paced streams: the load's uploads are the background work.
-    pace_label = f"one every {PACE_SECONDS * 1000:.0f} ms, {labels['load']}"
     for catalog_name, per_mode in results.items():
         for call, label in (
             ("register", "register (files on T0)"),
             ("latest", "latest right after"),
             ("segment_stage", 'register of a memory segment (staging="memory")'),
         ):
-            rows += _timed_rows(
-                f"{catalog_name} {label}, paced: {pace_label}",
-                per_mode["load"],
-                f"paced_{call}",
-                f"paced_{'segment_server_stage' if call == 'segment_stage' else 'server_' + call}",
-                target=True,
-            )
+            server = "segment_server_stage" if call == "segment_stage" else f"server_{call}"
+            for mode in ("load", "load-other"):
+                rows += _timed_rows(
+                    f"{catalog_name} {label}, paced: one every {PACE_SECONDS * 1000:.0f} ms, "
+                    f"{labels[mode]}",
+                    per_mode[mode],
+                    f"paced_{call}",
+                    f"paced_{server}",
+                    target=mode == "load",
+                )
     for catalog_name, per_mode in results.items():
         for mode in ("load", "load-other", "idle"):
             rows += _timed_rows(
