@@ -118,7 +118,11 @@ def machine_info(weed: str | None) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="~256 MB, 50 registrations (< 3 min)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="~256 MB, 2 repetitions (about 6 min on 2 shared cores)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument(
         "--reps",
@@ -136,7 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = parser.parse_args(argv)
     if args.reps is None:
-        # Quick mode must finish in under 3 minutes on 2 shared cores.
+        # Quick mode: a first look in minutes, not a figure to quote.
         args.reps = 2 if args.quick else 5
     if args.reps < 1:
         parser.error("--reps must be at least 1")

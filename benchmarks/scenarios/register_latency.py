@@ -543,7 +543,7 @@ def _catalogs() -> list[str]:
 
 def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
     count = 100 if ctx.quick else 300
-    paced_count = 60 if ctx.quick else 200
+    paced_count = 30 if ctx.quick else 200
     reps = max(1, min(ctx.reps, 2 if ctx.quick else 3))
     results: dict[str, dict[str, list[dict[str, list[float]]]]] = {}
     load_totals: dict[str, Any] = {}
