@@ -43,9 +43,9 @@ REQUIRES: tuple[str, ...] = ()
 RUN = "bench-dedup"
 UNCHANGED_FRACTION = 0.9
 TIMEOUT = 900.0
-# Quick mode keeps the whole `make bench QUICK=1` under 3 minutes: each
-# repetition starts an agent and uploads the dataset once more (~15 s on 2
-# idle cores), so quick mode runs one.
+# Quick mode keeps `make bench QUICK=1` short: each repetition starts an
+# agent and uploads the dataset once more (~15 s on 2 idle cores), so quick
+# mode runs one.
 QUICK_REPS = 1
 REGION = "bench-east"
 

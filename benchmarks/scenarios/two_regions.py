@@ -60,8 +60,8 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         one_region: list[float] = []
         replicated: list[float] = []
         durable_two: list[float] = []
-        # Quick mode: one repetition (one → two regions); it must stay
-        # within its 3 minutes, and the full run alternates the order.
+        # Quick mode: one repetition (one → two regions), to stay short;
+        # the full run alternates the order.
         reps = 1 if ctx.quick else max(2, min(ctx.reps, 3))
         for rep in range(reps):
             for label, agent in (

@@ -167,7 +167,7 @@ def _check_uploaded(client: Any, ctx: BenchContext, prefix: str) -> None:
 
 def variants(ctx: BenchContext) -> dict[str, Measure]:
     """What is timed; with --quick only what the target is measured against
-    (boto3's defaults), so quick mode stays within its 3 minutes."""
+    (boto3's defaults), so quick mode stays short."""
     plain = ctx.s3()
     measures = {
         "tierckpt": measure_tierckpt,
