@@ -81,12 +81,15 @@ def inherit_priority(agent: int, worker: int) -> bool:
     return True
 
 
-def inherit_group_priority(group: Detached) -> None:
+def inherit_group_priority(group: Detached) -> bool:
     """In the worker process, in a niced scheduling group of its own: from
     now on the group takes the agent's niceness while a thread holds the
-    lock."""
+    lock; False if the OS does not permit it (the group then stays niced)."""
     global _GROUP
+    if not group.may_raise():
+        return False
     _GROUP = group
+    return True
 
 
 def holding() -> Held:

@@ -64,17 +64,26 @@ class Detached:
 
     def __init__(self, agent: int, worker: int) -> None:
         self.agent, self.worker = agent, worker
-        self._warned = False
 
-    def raise_to_agent(self) -> None:
-        if not _set(self.agent) and not self._warned:
-            self._warned = True
+    def may_raise(self) -> bool:
+        """Whether the OS lets the group take the agent's niceness back:
+        tried once here (and put back), so that a lock holder without
+        CAP_SYS_NICE does not try again, and fail, on every transaction."""
+        if self.agent >= self.worker:
+            return False
+        permitted = _set(self.agent)
+        _set(self.worker)
+        if not permitted:
             log.info(
                 "the worker process's scheduling group stays at niceness %d while it holds "
                 "the catalog's lock (the agent's %d needs CAP_SYS_NICE)",
                 self.worker,
                 self.agent,
             )
+        return permitted
+
+    def raise_to_agent(self) -> None:
+        _set(self.agent)
 
     def back_to_worker(self) -> None:
         _set(self.worker)

@@ -347,8 +347,8 @@ def main(argv: list[str]) -> int:
     return_large_buffers_to_os()
     configure_logging(settings.server.log_format)
     if settings.worker.process_nice:
-        # A scheduling group of its own, niced (sched_group.py), and the
-        # process niced within it where the kernel has no such groups.
+        # A scheduling group of its own, niced (sched_group.py); the process
+        # is niced too, which is all that counts where there are no groups.
         group = sched_group.detach(settings.worker.process_nice)
         if group is not None:
             lock_holder.inherit_group_priority(group)

@@ -39,6 +39,11 @@ in the agent's inbox after one lock-free read of the catalog (``register_ack
 answer, or at its commit (``"committed"``, the default on PostgreSQL); each
 catalog is also measured the other way, under the same load.
 
+Each loaded round also times both paths paced, one call every
+``PACE_SECONDS`` instead of back to back, so that the background work they
+meet is mostly the load's uploads rather than the timed streams' own tiny
+checkpoints (paced is the harder of the two: see benchmarks/README.md).
+
 **Idle, by size**: 1 MB against a sparse 10 GiB file, on an agent whose
 worker is off. Register only lists the files (size, mtime) and writes
 catalog rows; it never reads content, so its latency must not depend on the

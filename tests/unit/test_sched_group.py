@@ -26,7 +26,7 @@ agent = group_nice()
 group = sched_group.detach(5)
 out = {"leader": os.getsid(0) == os.getpid(), "agent": agent, "group": group is not None}
 if group is not None:
-    lock_holder.inherit_group_priority(group)
+    out["permitted"] = lock_holder.inherit_group_priority(group)
     out["niced"] = group_nice()
     held = lock_holder.holding()
     out["holding"] = group_nice()
@@ -49,7 +49,8 @@ def test_the_worker_leaves_the_agents_group_niced_and_holds_the_lock_at_its_nice
     assert seen["niced"] == min(19, seen["agent"] + 5)
     assert seen["released"] == seen["niced"]
     # Lowering a niceness back needs CAP_SYS_NICE; without it the group stays.
-    assert seen["holding"] == (seen["agent"] if _may_lower_niceness() else seen["niced"])
+    assert seen["permitted"] == _may_lower_niceness()
+    assert seen["holding"] == (seen["agent"] if seen["permitted"] else seen["niced"])
 
 
 def _may_lower_niceness() -> bool:
