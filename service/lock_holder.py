@@ -20,10 +20,7 @@ for as long as it holds the lock (``holding`` to ``released``):
   Lowering a niceness needs CAP_SYS_NICE or a high enough RLIMIT_NICE (root
   outside a container; a container needs the capability); without either it
   keeps its own, and the log says so once when the worker process starts.
-  On Linux a niceness belongs to a thread: only the holder's changes. The
-  worker process's scheduling group, niced as a whole (sched_group.py), is
-  raised to the agent's group's niceness too while any of its threads holds
-  the lock.
+  On Linux a niceness belongs to a thread: only the holder's changes.
 """
 
 from __future__ import annotations
@@ -33,8 +30,6 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-
-from .sched_group import Detached
 
 log = logging.getLogger("tierckpt.worker")
 
@@ -46,7 +41,6 @@ class _Nice:
 
 
 _NICE: _Nice | None = None
-_GROUP: Detached | None = None  # the worker process's own scheduling group
 # Holders in this process (the event loop's transaction and the registration
 # writer's may overlap a moment): the collector waits for the last.
 _holders = 0
@@ -81,17 +75,6 @@ def inherit_priority(agent: int, worker: int) -> bool:
     return True
 
 
-def inherit_group_priority(group: Detached) -> bool:
-    """In the worker process, in a niced scheduling group of its own: from
-    now on the group takes the agent's niceness while a thread holds the
-    lock; False if the OS does not permit it (the group then stays niced)."""
-    global _GROUP
-    if not group.may_raise():
-        return False
-    _GROUP = group
-    return True
-
-
 def holding() -> Held:
     """The calling thread now holds the write lock."""
     global _holders, _collector_was_on
@@ -100,8 +83,6 @@ def holding() -> Held:
         if _holders == 1:
             _collector_was_on = gc.isenabled()
             gc.disable()
-            if _GROUP is not None:
-                _GROUP.raise_to_agent()
     nice = _NICE
     if nice is None:
         return Held(None)
@@ -118,11 +99,8 @@ def released(held: Held) -> None:
     global _holders
     with _holders_lock:
         _holders -= 1
-        if _holders == 0:
-            if _collector_was_on:
-                gc.enable()
-            if _GROUP is not None:
-                _GROUP.back_to_worker()
+        if _holders == 0 and _collector_was_on:
+            gc.enable()
     nice = _NICE
     if held.thread is None or nice is None:
         return

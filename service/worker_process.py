@@ -54,7 +54,7 @@ import subprocess
 import sys
 from typing import Any
 
-from . import lock_holder, sched_group
+from . import lock_holder
 from .config import Settings
 from .write_gate import share_urgent_flag, urgent_flag_raised_by_agent
 
@@ -347,11 +347,6 @@ def main(argv: list[str]) -> int:
     return_large_buffers_to_os()
     configure_logging(settings.server.log_format)
     if settings.worker.process_nice:
-        # A scheduling group of its own, niced (sched_group.py); the process
-        # is niced too, which is all that counts where there are no groups.
-        group = sched_group.detach(settings.worker.process_nice)
-        if group is not None:
-            lock_holder.inherit_group_priority(group)
         agent_nice = os.nice(0)
         worker_nice = os.nice(settings.worker.process_nice)
         lock_holder.inherit_priority(agent_nice, worker_nice)

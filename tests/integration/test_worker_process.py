@@ -11,7 +11,6 @@ from pathlib import Path
 
 from devsupport.agent import Agent, running_agent, write_checkpoint
 from tests.integration.test_agent_supervision import unhealthy
-from tierckpt.service import sched_group
 from tierckpt.service.worker_process import WorkerChild
 
 # "auto" runs it with either catalog; "yes" says so where a test depends on it.
@@ -51,19 +50,6 @@ async def _niced(pid: int, niceness: int, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def _group_niceness(pid: int | str) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
-
-
-async def _group_niced(pid: int, niceness: int, timeout: float = 10.0) -> None:
-    """As ``_niced``, for the process's scheduling group (raised while it
-    holds the lock too)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while (seen := _group_niceness(pid)) != niceness:
-        assert asyncio.get_running_loop().time() < deadline, f"group {seen}, not {niceness}"
-        await asyncio.sleep(0.01)
-
-
 async def test_the_worker_process_runs_the_jobs_and_reports_its_metrics(
     catalog_url: str, tmp_path: Path
 ) -> None:
@@ -87,11 +73,6 @@ async def test_the_worker_process_runs_the_jobs_and_reports_its_metrics(
         assert nice > 0
         own = os.getpriority(os.PRIO_PROCESS, 0)
         await _niced(child.pid, min(19, own + nice))
-        # In a session, so a scheduling group, of its own (sched_group.py),
-        # niced as a whole where the kernel groups sessions.
-        assert os.getsid(child.pid) == child.pid != os.getsid(0)
-        if sched_group.autogroups_on():
-            await _group_niced(child.pid, min(19, _group_niceness("self") + nice))
     assert not child.alive
     assert agent.process.failures == []
 
