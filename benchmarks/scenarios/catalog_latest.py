@@ -475,39 +475,36 @@ def _query_times(
 ) -> dict[str, list[float]]:
     """In-process: the catalog read `latest` runs (latest_answer.read_latest_rows:
     one statement on PostgreSQL, two on the event loop on SQLite), through the
-    service's own read engines (the plain-sqlite readers on SQLite, the
-    autocommit pool on PostgreSQL), seconds each: the database's share of an
-    answer. With ``quick``, without ``region=west``."""
+    service's own read engines (the event loop's own plain-sqlite connection
+    on SQLite, the autocommit pool on PostgreSQL: row_reads.py), seconds
+    each: the database's share of an answer. With ``quick``, without ``region=west``."""
     from tierckpt.service.checkpoints.latest_answer import read_latest_rows
     from tierckpt.service.db import (
         create_engine,
         create_read_sessionmaker,
-        create_sync_readers,
         dispose_read_engine,
-        dispose_sync_readers,
     )
+    from tierckpt.service.row_reads import create_row_readers
 
     warmup = QUICK_WARMUP if quick else WARMUP
 
     async def measure() -> dict[str, list[float]]:
         engine = create_engine(catalog_url)
-        readers = create_sync_readers(engine)
-        inline = create_sync_readers(engine, inline=True)
         sessions = create_read_sessionmaker(engine)
+        rows = create_row_readers(engine, sessions.kw["bind"])
         out: dict[str, list[float]] = {"any": []} if quick else {"any": [], "west": []}
         try:
             for region, times in out.items():
                 where = None if region == "any" else region
                 for n in range(warmup + count):
                     began = time.perf_counter()
-                    found = await read_latest_rows(readers, inline, sessions, run, 1, where)
+                    found = await read_latest_rows(rows, run, 1, where)
                     if n >= warmup:
                         times.append(time.perf_counter() - began)
                     assert found is not None
         finally:
             # As the agent's close_resources does.
-            dispose_sync_readers(readers)
-            dispose_sync_readers(inline)
+            rows.dispose()
             await dispose_read_engine(sessions, engine)
             await engine.dispose()
         return out

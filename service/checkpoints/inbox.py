@@ -58,8 +58,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import bindparam, literal, select, union_all
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, bindparam, literal, select, union_all
 
 from ..errors import ApiError, is_catalog_outage
 from ..names import agent_directory_name
@@ -110,9 +109,9 @@ class Found:
     children: list[tuple[str, int]]  # checkpoints naming it their parent
 
 
-def _found(session: Session, run: str, step: int) -> Found:
+def _found(connection: Connection, run: str, step: int) -> Found:
     exists, children = False, []
-    for kind, name, child_step in session.execute(_FOUND, {"run": run, "step": step}):
+    for kind, name, child_step in connection.execute(_FOUND, {"run": run, "step": step}):
         if kind == "self":
             exists = True
         else:

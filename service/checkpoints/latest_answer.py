@@ -1,12 +1,13 @@
 """The `latest` answer, read and written as JSON straight from the catalog's rows.
 
 `latest` is asked on every restart and by orchestrators polling. Its read is
-two statements in one hop to a database thread on SQLite (or one greenlet
-run on PostgreSQL), and its answer is written here as a plain dict and
-serialized once, without building the response models (about a tenth of its
-CPU). The document is presenter.latest_document's, the documented `LatestOut`
-(schemas.py) field for field and in its order; the tests hold the two together
-(each answer validates as a LatestOut that serializes back to the same JSON,
+two statements on the event loop's own connection on SQLite (or one
+statement on the read pool on PostgreSQL: row_reads.py), and its answer is
+written here as a plain dict and serialized once, without building the
+response models (about a tenth of its CPU). The document is
+presenter.latest_document's, the documented `LatestOut` (schemas.py) field
+for field and in its order; the tests hold the two together (each answer
+validates as a LatestOut that serializes back to the same JSON,
 and equals the checkpoint's detail view).
 """
 
@@ -16,14 +17,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from sqlalchemy.orm import Session, sessionmaker
-
-from ..db import read_snapshot
 from ..errors import BadInput, NotFound
 from ..prefetch import copies
 from ..resources import Resources
+from ..row_reads import RowReaders
 from . import repository as repo
 from .presenter import Listing, latest_document, to_json
 from .repository import LatestRows
@@ -42,12 +39,7 @@ async def latest_json(
             code="unknown_region",
         )
     rows = await read_latest_rows(
-        resources.sync_readers,
-        resources.inline_readers,
-        resources.read_sessionmaker or resources.sessionmaker,
-        run,
-        resources.settings.durability.min_regions,
-        region,
+        row_readers(resources), run, resources.settings.durability.min_regions, region
     )
     if rows is None:
         where = f" in region {region}" if region else ""
@@ -66,57 +58,28 @@ async def latest_json(
 
 
 async def read_latest_rows(
-    readers: sessionmaker[Session] | None,
-    inline: sessionmaker[Session] | None,
-    maker: async_sessionmaker[AsyncSession],
-    run: str,
-    min_regions: int,
-    region: str | None,
+    rows: RowReaders, run: str, min_regions: int, region: str | None
 ) -> LatestRows | None:
-    """The catalog read behind `latest` (the benchmark times it alone too).
+    """The catalog read behind `latest` (the benchmark times it alone too):
+    on SQLite two statements in one snapshot on the event loop's own
+    connection, on PostgreSQL one statement on the read pool
+    (row_reads.py)."""
+    return await rows.read(repo.latest_rows, run, min_regions, region)
 
-    SQLite (``readers``): through aiosqlite every statement costs several
-    thread hand-offs (dozens per answer, most of its CPU), so the read runs
-    whole on the agent's plain-sqlite read engine, in one snapshot: on the
-    event loop when ``inline`` is given (db.read_snapshot), else in one hop
-    to a thread. PostgreSQL: on ``maker``'s pool, once more after a
-    disconnect."""
-    return await _read(readers, inline, maker, repo.latest_rows, run, min_regions, region)
+
+def row_readers(resources: Resources) -> RowReaders:
+    """The agent's row readers; a Resources built without them reads on its
+    read sessions' engine."""
+    if resources.rows is not None:
+        return resources.rows
+    maker = resources.read_sessionmaker or resources.sessionmaker
+    return RowReaders(maker.kw["bind"])
 
 
 async def read_whole(resources: Resources, read: Callable[..., T], *args: Any) -> T:
-    """Any other whole read on the hot path, the way `latest`'s is read:
-    ``read(session, *args)`` on SQLite's inline reader, else on the read pool."""
-    maker = resources.read_sessionmaker or resources.sessionmaker
-    return await _read(resources.sync_readers, resources.inline_readers, maker, read, *args)
-
-
-async def _read(
-    readers: sessionmaker[Session] | None,
-    inline: sessionmaker[Session] | None,
-    maker: async_sessionmaker[AsyncSession],
-    read: Callable[..., T],
-    *args: Any,
-) -> T:
-    if readers is not None:
-        return await read_snapshot(inline, readers, read, *args)
-    return await _read_with_retry(maker, read, *args)
-
-
-async def _read_with_retry(
-    maker: async_sessionmaker[AsyncSession], read: Callable[..., T], *args: Any
-) -> T:
-    """PostgreSQL: the read, once more on a connection that turned out dead
-    (db._ping_when_idle hands out recently used ones without a ping; the
-    failure invalidated the pool, so the second try gets a fresh one)."""
-    for attempt in (1, 2):
-        try:
-            async with maker() as session:
-                return await session.run_sync(read, *args)
-        except DBAPIError as exc:
-            if attempt == 2 or not exc.connection_invalidated:
-                raise
-    raise AssertionError("unreachable")
+    """Any other whole read of rows on the hot path, the way `latest`'s is
+    read: ``read(connection, *args)`` (row_reads.py)."""
+    return await row_readers(resources).read(read, *args)
 
 
 async def _local_copy(

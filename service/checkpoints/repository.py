@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import (
     JSON,
     ColumnElement,
+    Connection,
     Select,
     String,
     bindparam,
@@ -364,14 +365,13 @@ def _children(joined: str | None) -> list[tuple[str, int]]:
 
 
 def latest_rows(
-    session: Session, run: str, min_regions: int, region: str | None
+    connection: Connection, run: str, min_regions: int, region: str | None
 ) -> LatestRows | None:
     """The latest valid checkpoint of ``run`` and its shards, files, replicas
     and children: one statement on PostgreSQL, two on SQLite (see
-    _latest_statement), written against a plain (sync) Session so the
-    whole read can run in one hop to a database thread (see
-    latest_answer.latest_json) instead of several hops per query."""
-    connection = session.connection()
+    _latest_statement), written against a plain (sync) Connection so the
+    whole read runs at once where row_reads.py puts it (on SQLite the event
+    loop), not a turn of the loop per statement."""
     one_statement = connection.dialect.name == "postgresql"
     statements = LATEST_WITH_CONTENTS if one_statement else LATEST_STATEMENTS
     rows = connection.execute(

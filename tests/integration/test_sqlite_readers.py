@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
@@ -20,6 +20,7 @@ from tierckpt.service.db import (
     dispose_sync_readers,
     read_snapshot,
 )
+from tierckpt.service.row_reads import create_row_readers
 from tierckpt.service.sqlite_driver import LOCK_WAIT
 
 
@@ -54,10 +55,10 @@ async def test_get_answers_while_another_connection_holds_the_write_lock(tmp_pat
         assert (await agent.register("r", 2, ckpt2)).status_code == 202
 
 
-async def test_latest_reads_on_the_event_loop_and_in_a_thread_when_sqlite_is_busy(
+async def test_detail_reads_on_the_event_loop_and_in_a_thread_when_sqlite_is_busy(
     tmp_path: Path,
 ) -> None:
-    """db.read_snapshot, as `latest` uses it: on the loop's own thread with a
+    """db.read_snapshot, as the detail view uses it: on the loop's own thread with a
     connection that never waits for a lock; when SQLite answers busy there,
     the same read again in a thread of the readers that wait."""
     engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}")
@@ -92,4 +93,62 @@ async def test_latest_reads_on_the_event_loop_and_in_a_thread_when_sqlite_is_bus
     finally:
         dispose_sync_readers(inline)
         dispose_sync_readers(threaded)
+        await engine.dispose()
+
+
+async def test_row_reads_keep_one_connection_on_the_loop_and_see_each_commit(
+    tmp_path: Path,
+) -> None:
+    """row_reads.RowReaders, as `latest` and the register's check use it: on
+    the loop's own thread, on one connection kept between reads, each read a
+    snapshot of its own (a commit between two reads is seen by the second:
+    no transaction stays open); when SQLite answers busy there, the same
+    read in a thread of a pool that waits; after any other error the next
+    read checks a connection out again (the pool replaces one the error
+    invalidated)."""
+    database = tmp_path / "catalog.db"
+    engine = create_engine(f"sqlite+aiosqlite:///{database}")
+    rows = create_row_readers(engine, engine)
+    writer = sqlite3.connect(database, isolation_level=None)
+    writer.execute("CREATE TABLE t (n INTEGER)")
+    loop_thread = threading.get_ident()
+    seen: list[tuple[str, int]] = []
+
+    def count(connection: Connection) -> int:
+        where = "loop" if threading.get_ident() == loop_thread else "thread"
+        seen.append((where, id(connection)))
+        return int(connection.execute(text("SELECT count(*) FROM t")).scalar_one())
+
+    def busy_on_the_loop(connection: Connection) -> int:
+        if threading.get_ident() == loop_thread:
+            raise OperationalError("SELECT", {}, sqlite3.OperationalError("database is locked"))
+        return count(connection)
+
+    def broken(connection: Connection) -> int:
+        raise OperationalError("SELECT", {}, sqlite3.OperationalError("no such table: x"))
+
+    def timeout_of(connection: Connection) -> int:
+        return int(connection.execute(text("PRAGMA busy_timeout")).scalar_one())
+
+    try:
+        assert await rows.read(count) == 0
+        writer.execute("INSERT INTO t VALUES (1)")
+        assert await rows.read(count) == 1  # a fresh snapshot
+        assert [where for where, _ in seen] == ["loop", "loop"]
+        assert seen[0][1] == seen[1][1]  # the same connection, kept
+        assert await rows.read(timeout_of) == 0  # the loop's never waits
+        # A write lock held elsewhere does not hold up a reader (WAL).
+        writer.execute("BEGIN IMMEDIATE")
+        writer.execute("INSERT INTO t VALUES (2)")
+        assert await rows.read(count) == 1
+        writer.execute("COMMIT")
+        assert await rows.read(busy_on_the_loop) == 2
+        assert seen[-1][0] == "thread"
+        with pytest.raises(OperationalError, match="no such table"):
+            await rows.read(broken)  # not busy: not run again
+        assert await rows.read(count) == 2
+        assert seen[-1][0] == "loop" and seen[-1][1] != seen[0][1]  # checked out again
+    finally:
+        writer.close()
+        rows.dispose()
         await engine.dispose()
