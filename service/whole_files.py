@@ -2,7 +2,7 @@
 place. A kill -9 at any moment leaves the old file or the new one, never a
 part (what was written is in the page cache); surviving a power loss would
 take an fsync on top, which these callers (the memory arena's segment
-states, the registration inbox's records) do not pay for on their hot path.
+states) do not pay for on their hot path.
 """
 
 from __future__ import annotations

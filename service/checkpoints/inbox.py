@@ -19,13 +19,14 @@ Invariants:
   checkpoint the catalog holds already (another rank, a repeat, an urgent
   promotion) is written and answered at its commit as before: its answer is
   read back from the catalog.
-* **Nothing answered is lost to a kill -9.** The record is a file renamed
-  into place before the answer; it is removed only once the catalog has
-  committed the registration. A restarted agent writes every record it finds
-  again (the same listing: a repeat of a committed one is answered as
-  already registered). Like a registration answered at its commit, a power
-  loss before the catalog's next log flush (milliseconds) can lose it, not
-  its files; ``"committed"`` / ``"on_disk"`` wait for the catalog instead.
+* **Nothing answered is lost to a kill -9.** The record is appended to the
+  inbox's journal before the answer (inbox_journal.py); it is marked done
+  only once the catalog has committed the registration. A restarted agent
+  writes every record not marked done again (the same listing: a repeat of
+  a committed one is answered as already registered). Like a registration
+  answered at its commit, a power loss before the catalog's next log flush
+  (milliseconds) can lose it, not its files; ``"committed"`` /
+  ``"on_disk"`` wait for the catalog instead.
 * **Read your own registration.** Until its record is written to the
   catalog, this agent answers the checkpoint's detail from the record, and
   its other per-run reads wait for the run's records first (``settled``).
@@ -64,10 +65,10 @@ from ..errors import ApiError, is_catalog_outage
 from ..names import agent_directory_name
 from ..observability import metrics
 from ..resources import Resources
-from ..whole_files import write_atomically
 from .batch_plan import Planned, Registration
 from .batch_write import answer_of_new, decide
 from .batching import RegistrationBatcher
+from .inbox_journal import InboxJournal, Ref
 from .latest_answer import read_whole
 from .scan import ScannedFile, ScannedShard
 from .schemas import CheckpointOut, RegisterRequest
@@ -76,10 +77,8 @@ from .tables import CHECKPOINTS, RUNS
 log = logging.getLogger("tierckpt.register")
 
 INBOX_DIR = ".tierckpt-inbox"
-RECORD_SUFFIX = ".json"
-UNREADABLE_PREFIX = "unreadable-"
 RETRY_BASE, RETRY_MAX = 0.2, 10.0
-# A record of at most this many files is written on the event loop (tens of
+# A record of at most this many files is encoded on the event loop (tens of
 # microseconds), a larger one in a thread (the scan's own rule).
 INLINE_RECORD_FILES = 64
 # Writes of one record that fail other than for an outage before it is
@@ -155,7 +154,7 @@ class Entry:
 
     seq: int
     registration: Registration
-    path: Path
+    ref: Ref | None  # where it is recorded; None until appended
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -183,6 +182,7 @@ class RegistrationInbox:
         self.r = resources
         self.registrations = registrations
         self.directory = directory
+        self.journal = InboxJournal(directory)
         self._entries: dict[int, Entry] = {}
         self._by_key: dict[tuple[str, int], list[Entry]] = defaultdict(list)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -216,23 +216,23 @@ class RegistrationInbox:
         return answer_of_new(self.r, plan, found.children)
 
     async def _record(self, registration: Registration) -> bool:
-        """Write the record (renamed into place: a kill -9 keeps it whole or
-        not at all) and start its way to the catalog; False if the SSD
-        refused it (full, gone): the caller then goes the writer's way."""
+        """Append the record to the journal (a kill -9 keeps it whole or
+        not at all: inbox_journal.py) and start its way to the catalog;
+        False if the SSD refused it (full, gone): the caller then goes the
+        writer's way."""
         self._seq += 1
-        path = self.directory / f"{time.time_ns():020d}-{self._seq:08d}{RECORD_SUFFIX}"
-        entry = Entry(self._seq, registration, path)
+        entry = Entry(self._seq, registration, None)
         # Indexed first: a rank of the same step arriving while a large
-        # record is written in a thread is decided against this one.
+        # record is encoded in a thread is decided against this one.
         self._index(entry)
-        text = json.dumps(to_record(registration))
+        record = to_record(registration)
         try:
             if len(registration.scanned.files) <= INLINE_RECORD_FILES:
-                # A small file into the page cache: on the loop, cheaper than
-                # the thread hand-off.
-                write_atomically(path, text)
+                text = json.dumps(record)  # cheaper than the thread hand-off
             else:
-                await asyncio.to_thread(write_atomically, path, text)
+                text = await asyncio.to_thread(json.dumps, record)
+            # On the loop: the journal's appends never interleave.
+            entry.ref = self.journal.append(text)
         except OSError as exc:
             self._forget(entry)
             log.warning("inbox: cannot record a registration (%s); written at once", exc)
@@ -295,25 +295,16 @@ class RegistrationInbox:
     def recover(self) -> int:
         """Take up the records an earlier life of the agent left (in their
         order); their writes start at once. Returns how many."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         found = 0
-        for path in sorted(self.directory.iterdir()):
-            if path.name.startswith("."):
-                path.unlink(missing_ok=True)  # a record cut off before its rename
-                continue
-            if not path.name.endswith(RECORD_SUFFIX) or path.name.startswith(UNREADABLE_PREFIX):
-                continue
+        for ref, text in self.journal.recover():
             try:
-                registration = from_record(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                kept = path.with_name(f"{UNREADABLE_PREFIX}{path.name}")
-                log.error("inbox record %s cannot be read (%s); kept as %s", path, exc, kept)
-                # Not a dot file (those are scratch files, removed above):
-                # kept for an operator across restarts, never retried.
-                path.rename(kept)
+                registration = from_record(json.loads(text))
+            except (ValueError, KeyError, TypeError) as exc:
+                # Kept for an operator across restarts, never retried.
+                self.journal.set_aside(ref, text, str(exc))
                 continue
             self._seq += 1
-            entry = Entry(self._seq, registration, path)
+            entry = Entry(self._seq, registration, ref)
             self._index(entry)
             self._start(entry)
             found += 1
@@ -349,7 +340,8 @@ class RegistrationInbox:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX)
-            entry.path.unlink(missing_ok=True)
+            assert entry.ref is not None
+            self.journal.done(entry.ref)
         finally:
             self._forget(entry)
 
@@ -377,14 +369,15 @@ class RegistrationInbox:
         """Let the records being written reach the catalog for up to
         ``timeout`` seconds; those left stay on disk for the next start."""
         tasks = list(self._tasks)
-        if not tasks:
-            return
-        _done, left = await asyncio.wait(tasks, timeout=timeout)
+        left: set[asyncio.Task[None]] = set()
+        if tasks:
+            _done, left = await asyncio.wait(tasks, timeout=timeout)
         for task in left:
             task.cancel()
         await asyncio.gather(*left, return_exceptions=True)
         if left:
             log.warning("inbox: %d registration(s) left for the next start", len(left))
+        self.journal.close()
 
 
 def _naive_utc(timestamp: float) -> datetime:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from devsupport.agent import RECORDED, running_agent, write_checkpoint
 from devsupport.catalog_lock import catalog_write_lock, rows
+from tierckpt.service.checkpoints.inbox_journal import pending_records
 
 
-def _records(agent_inbox: Path) -> list[Path]:
-    return sorted(agent_inbox.glob("*.json"))
+def _records(agent_inbox: Path) -> list[dict[str, Any]]:
+    return pending_records(agent_inbox)
 
 
 async def test_register_is_answered_while_the_catalog_write_lock_is_held(
