@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from .advice.routes import router as advice_router
 from .agent import AgentProcess
 from .checkpoints.latest_path import LatestFastPath
+from .checkpoints.register_path import RegisterRoute
 from .checkpoints.routes import router as checkpoints_router
 from .config import Settings
 from .errors import install_error_handlers
@@ -86,4 +87,6 @@ def create_app(
     app.include_router(prefetch_router)
     app.include_router(metrics_router)
     app.include_router(ui_router)
+    # First in the router: the registration below FastAPI's route machinery.
+    app.router.routes.insert(0, RegisterRoute())
     return app
