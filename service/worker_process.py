@@ -208,27 +208,6 @@ class WorkerChild:
 # -- the child ---------------------------------------------------------------------
 
 
-def _own_session() -> None:
-    """A session of its own, and so, where the kernel shares the CPU between
-    sessions first (autogroups: ``/proc/sys/kernel/sched_autogroup_enabled``),
-    a scheduling group of its own at the default weight.
-
-    In the agent's session the worker's uploads spent that group's share,
-    and each request then woke the agent into a group that was behind: the
-    agent waited for the store's and the trainers' groups to have their
-    turn. In a group of its own the worker gets what any session gets (as
-    much as in the agent's, which is idle most of the time), and the agent's
-    group is idle until a request comes. Not niced: a niced group is starved
-    by every busy session, the trainer's data loaders among them
-    (benchmarks/README.md, "Issue 16 on a thirteenth machine"). The
-    process's own niceness (``[worker] process_nice``) still orders it
-    after the agent where there are no autogroups."""
-    try:
-        os.setsid()
-    except OSError as exc:  # already a session leader: nothing to do
-        log.debug("the worker stays in its session: %s", exc)
-
-
 def _die_with_parent(parent: int) -> None:
     """SIGKILL when the agent dies, however it dies (Linux); and if it died
     before this was set up, exit now."""
@@ -347,7 +326,6 @@ class _Child:
 def main(argv: list[str]) -> int:
     fd, parent, flag = int(argv[0]), int(argv[1]), int(argv[2])
     _die_with_parent(parent)
-    _own_session()
     urgent_flag_raised_by_agent(flag)
     # The agent drains and then stops this process; a signal to the group
     # (Ctrl-C, a scheduler) must not end it first.
