@@ -325,12 +325,13 @@ class WorkerSettings(BaseModel):
     holds only for its statements (the commit's fsync comes after it);
     benchmarks/README.md has the figures. `no`: in the agent's process."""
     process_nice: int = Field(10, ge=0, le=19)
-    """Niceness added to the worker process: the agent's requests get a CPU
-    first, uploads every CPU they leave idle. The worker's holder of SQLite's
-    write lock takes the agent's niceness back meanwhile (needs CAP_SYS_NICE;
-    the log says so once without). 0: equal shares. With autogroups (the CPU
-    shared between sessions first) the worker has a session of its own at
-    the default weight, and this weighs only within it."""
+    """Niceness added to the worker process (`nice`): when the agent and its
+    worker both want a CPU, the agent's requests get it first. Uploads still
+    get every CPU the requests leave idle. While the worker holds SQLite's
+    write lock, the holding thread takes the agent's niceness back (a
+    registration waiting for the lock would otherwise wait for a niced
+    thread to be scheduled); that needs CAP_SYS_NICE, and without it the log
+    says so once. 0: equal shares."""
     concurrency: int = Field(4, ge=1, le=64)
     """Jobs run at once."""
     poll_interval: float = Field(0.5, gt=0)

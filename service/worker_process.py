@@ -7,8 +7,8 @@ keeps the agent's event loop and GIL busy most of the time under upload load
 `latest` waits behind it: p99 30-110 ms against 3-10 ms with the worker off.
 In a child, the worker has a loop and a GIL of its own; the agent's loop
 serves requests and runs the registration writer. The child runs niced
-(``[worker] process_nice``) and in a session of its own (``_own_session``):
-on a node's few busy cores the agent's requests get a CPU first.
+(``[worker] process_nice``): on a node's few busy cores the agent's requests
+get a CPU first.
 
 Parent side, ``WorkerChild``: plays the in-process worker's part for the agent
 (agent.py): ``start`` returns the task the agent supervises (it ends, with an
