@@ -121,6 +121,7 @@ def test_resources_imports_no_feature() -> None:
         for name in (
             "config",
             "db",
+            "row_reads",
             "storage.base",
             "storage.factory",
             "storage.posix",
