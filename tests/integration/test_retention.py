@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import event, select, update
 
 from devsupport.agent import Agent, running_agent, s3_region, write_checkpoint
+from devsupport.catalog_lock import rows
 from devsupport.seaweed import SeaweedServer
 from tierckpt.service.db import reading, transaction
 from tierckpt.service.models import Checkpoint, CheckpointState, Job, JobKind, utcnow
@@ -47,6 +48,11 @@ async def wait_until(condition: Callable[[], bool], what: str = "") -> None:
     raise AssertionError(f"not reached in 30 s: {what}")
 
 
+_RETAIN_PENDING = (
+    "SELECT count(*) FROM jobs WHERE kind = 'retain' AND state IN ('queued', 'running')"
+)
+
+
 async def test_retention_deletes_objects_but_keeps_latest_and_pinned(
     catalog_url: str, tmp_path: Path, seaweed: SeaweedServer, s3_bucket: str, s3_client: Any
 ) -> None:
@@ -60,6 +66,12 @@ async def test_retention_deletes_objects_but_keeps_latest_and_pinned(
             assert answer.status_code == 202
             await agent.wait_state("r", step)
         assert all(keys_of_step(s3_client, s3_bucket, s) for s in range(1, 7))
+        # Each durable checkpoint queued a retain job (retention at durable):
+        # one still to run after the policy below would queue the deletions
+        # before the explicit apply does.
+        await wait_until(
+            lambda: rows(catalog_url, _RETAIN_PENDING) == [(0,)], "the retain jobs have run"
+        )
 
         # Step 4 pinned; step 6 quarantined, so the latest valid is 5.
         assert (await agent.http.post("/v1/runs/r/checkpoints/4/pin")).json()["pinned"] is True
