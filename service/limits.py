@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .config import TokenSettings
+from .plain_asgi import send_json
 
 # A peer copy's file is as large as the checkpoint's: its receiver bounds it
 # by the size the catalog records instead (peers/receive.py).
@@ -100,18 +101,7 @@ async def send_json_error(
 ) -> None:
     """Answer with the service's JSON error shape from plain ASGI."""
     payload = json.dumps({"error": {"code": code, "message": message}}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
+    await send_json(send, status, payload, headers)
 
 
 class TokenBuckets:

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..auth import Action, authenticate, authorize
 from ..errors import ApiError, catalog_unavailable, is_catalog_outage
 from ..names import RUN_NAME
+from ..plain_asgi import RouteLabel, authorization, send_json
 from ..resources import Resources
 from .latest_answer import latest_json
 
@@ -43,13 +44,7 @@ QUERY_KEYS = frozenset({"region", "node"})
 MAX_QUERY_BYTES = 512
 
 
-class _Route:
-    """What the request-metrics middleware reads from scope["route"]."""
-
-    path = "/v1/runs/{run}/latest"
-
-
-ROUTE = _Route()
+ROUTE = RouteLabel("/v1/runs/{run}/latest")
 
 
 def _query(raw: bytes) -> dict[str, str] | None:
@@ -66,13 +61,6 @@ def _query(raw: bytes) -> dict[str, str] | None:
     if len(params) != len(pairs) or not params.keys() <= QUERY_KEYS:
         return None
     return params
-
-
-def _authorization(scope: Scope) -> str | None:
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            return str(value.decode("latin-1"))
-    return None
 
 
 class LatestFastPath:
@@ -97,17 +85,7 @@ class LatestFastPath:
             await self.app(scope, receive, send)
             return
         scope["route"] = ROUTE
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 200, body)
 
     async def _answer(self, scope: Scope, run: str) -> bytes | None:
         """The answer's bytes, or None: the route answers (and words any error)."""
@@ -117,7 +95,7 @@ class LatestFastPath:
         app: Any = scope["app"]
         resources: Resources = app.state.resources
         try:
-            principal = authenticate(_authorization(scope), resources.settings.tokens)
+            principal = authenticate(authorization(scope), resources.settings.tokens)
             authorize(principal, Action.READ, run)
             return await latest_json(resources, run, params.get("region"), params.get("node"))
         except ApiError:

@@ -28,6 +28,7 @@ from starlette.routing import Match, Route
 from starlette.types import Message, Receive, Scope, Send
 
 from ..auth import Action, authenticate, authorize
+from ..plain_asgi import RouteLabel, authorization, header, send_json
 from ..resources import Resources
 from .schemas import RegisterRequest
 from .service import register
@@ -35,22 +36,13 @@ from .service import register
 PATH = "/v1/checkpoints"
 
 
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return None
-
-
 # Set in a request's scope once this route has handed it over: the router
 # then passes this route by and finds FastAPI's.
 _DECLINED = "tierckpt.register_path.declined"
 
 
-class _TemplatePath:
-    """What the request metrics read from scope["route"] (their label)."""
-
-    path = PATH
+# The request metrics' label: the documented route's template.
+ROUTE = RouteLabel(PATH)
 
 
 class RegisterRoute(Route):
@@ -66,7 +58,7 @@ class RegisterRoute(Route):
 
 class _Register:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope["route"] = _TemplatePath
+        scope["route"] = ROUTE
         body = await _whole_body(receive) if _plain_json(scope) else None
         request = None
         if body is not None:
@@ -80,27 +72,13 @@ class _Register:
         app: Any = scope["app"]
         resources: Resources = app.state.resources
         agent = app.state.agent
-        authorization = _header(scope, b"authorization")
-        principal = authenticate(
-            None if authorization is None else authorization.decode("latin-1"),
-            resources.settings.tokens,
-        )
+        principal = authenticate(authorization(scope), resources.settings.tokens)
         authorize(principal, Action.WRITE, request.run)
         checkpoint, created = await register(
             resources, agent.registrations, request, agent.drain, agent.inbox
         )
         payload = checkpoint.model_dump_json().encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 202 if created else 200,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        await send_json(send, 202 if created else 200, payload)
 
 
 async def _hand_over(scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,8 +90,8 @@ async def _hand_over(scope: Scope, receive: Receive, send: Send) -> None:
 def _plain_json(scope: Scope) -> bool:
     """A JSON body of a declared length (what the client sends): else the
     FastAPI route reads and words it."""
-    content_type = (_header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
-    declared = _header(scope, b"content-length")
+    content_type = (header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
+    declared = header(scope, b"content-length")
     return content_type == b"application/json" and declared is not None and declared.isdigit()
 
 
