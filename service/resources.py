@@ -48,6 +48,9 @@ class Resources:
     engine: AsyncEngine
     sessionmaker: async_sessionmaker[AsyncSession]
     stores: Stores
+    # The hot path's reads of plain rows (`latest`, the register's check),
+    # without a session (row_reads.py).
+    rows: RowReaders
     # For GET requests: no write lock taken on SQLite (db.create_read_sessionmaker).
     read_sessionmaker: async_sessionmaker[AsyncSession] | None = field(default=None)
     # SQLite only: plain (sync) read-only sessions, for hot reads that run
@@ -55,9 +58,6 @@ class Resources:
     sync_readers: orm.sessionmaker[orm.Session] | None = field(default=None)
     # SQLite only: the same, for reads run on the event loop (db.read_snapshot).
     inline_readers: orm.sessionmaker[orm.Session] | None = field(default=None)
-    # The hot path's reads of plain rows (`latest`, the register's check),
-    # without a session (row_reads.py). None: on the read sessions' engine.
-    rows: RowReaders | None = field(default=None)
     # Work was just enqueued in this process: the worker looks now instead of
     # at its next poll. Set by the agent's assembly when it runs a worker.
     wake: Callable[[], None] = field(default=_no_worker)
@@ -80,14 +80,19 @@ async def open_resources(settings: Settings, *, check_regions: bool = True) -> R
             # A region that is down must not stop the agent: its jobs retry.
             log.warning("region %s not ready: %s", store.region, exc)
     read_sessionmaker = create_read_sessionmaker(engine)
+    sync_readers = create_sync_readers(engine)
     return Resources(
         settings=settings,
         engine=engine,
         sessionmaker=create_sessionmaker(engine),
         read_sessionmaker=read_sessionmaker,
-        sync_readers=create_sync_readers(engine),
+        sync_readers=sync_readers,
         inline_readers=create_sync_readers(engine, inline=True),
-        rows=create_row_readers(engine, read_sessionmaker.kw["bind"]),
+        rows=create_row_readers(
+            engine,
+            read_sessionmaker.kw["bind"],
+            sync_readers.kw["bind"] if sync_readers is not None else None,
+        ),
         stores=stores,
     )
 
@@ -97,8 +102,7 @@ async def close_resources(resources: Resources) -> None:
     await resources.stores.aclose()
     dispose_sync_readers(resources.sync_readers)
     dispose_sync_readers(resources.inline_readers)
-    if resources.rows is not None:
-        resources.rows.dispose()
+    resources.rows.dispose()
     if resources.read_sessionmaker is not None:
         await dispose_read_engine(resources.read_sessionmaker, resources.engine)
     await resources.engine.dispose()

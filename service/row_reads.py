@@ -81,9 +81,10 @@ def _in_thread(engine: Engine, read: Callable[..., T], *args: Any) -> T:
 
 @dataclass
 class RowReaders:
-    """Where row reads run: on SQLite ``loop`` (``threaded``, a pooled
-    read-only engine, when the loop's connection meets a busy moment), else
-    ``pool``, the read engine (PostgreSQL's autocommit pool)."""
+    """Where row reads run: on SQLite ``loop`` (``threaded``, the pooled
+    read-only engine of db.create_sync_readers, when the loop's connection
+    meets a busy moment), else ``pool``, the read engine (PostgreSQL's
+    autocommit pool)."""
 
     pool: AsyncEngine
     loop: LoopConnection | None = None
@@ -101,25 +102,22 @@ class RowReaders:
         return await _read_with_retry(self.pool, read, *args)
 
     def dispose(self) -> None:
-        """Close the SQLite connections (the pool is the read engine's owner's)."""
+        """Close the loop's connection (``pool`` and ``threaded`` are their
+        makers' to close)."""
         if self.loop is not None:
             self.loop.dispose()
-        if self.threaded is not None:
-            self.threaded.dispose()
 
 
-def create_row_readers(engine: AsyncEngine, pool: AsyncEngine) -> RowReaders:
+def create_row_readers(
+    engine: AsyncEngine, pool: AsyncEngine, threaded: Engine | None
+) -> RowReaders:
     """``engine``: the catalog's; ``pool``: its read engine
-    (db.create_read_sessionmaker's)."""
+    (db.create_read_sessionmaker's); ``threaded``: the engine of its
+    threaded sync readers (db.create_sync_readers'), None without them."""
     loop = create_sync_engine(engine, pool_size=1, never_wait=True)
-    threaded = create_sync_engine(engine, pool_size=4)
     if loop is None or threaded is None:  # PostgreSQL, or SQLite in memory
         return RowReaders(pool)
-    return RowReaders(
-        pool,
-        LoopConnection(loop.execution_options(**{READ_ONLY: True})),
-        threaded.execution_options(**{READ_ONLY: True}),
-    )
+    return RowReaders(pool, LoopConnection(loop.execution_options(**{READ_ONLY: True})), threaded)
 
 
 async def _read_with_retry(pool: AsyncEngine, read: Callable[..., T], *args: Any) -> T:

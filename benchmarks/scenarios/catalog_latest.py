@@ -482,7 +482,9 @@ def _query_times(
     from tierckpt.service.db import (
         create_engine,
         create_read_sessionmaker,
+        create_sync_readers,
         dispose_read_engine,
+        dispose_sync_readers,
     )
     from tierckpt.service.row_reads import create_row_readers
 
@@ -491,7 +493,10 @@ def _query_times(
     async def measure() -> dict[str, list[float]]:
         engine = create_engine(catalog_url)
         sessions = create_read_sessionmaker(engine)
-        rows = create_row_readers(engine, sessions.kw["bind"])
+        threaded = create_sync_readers(engine)
+        rows = create_row_readers(
+            engine, sessions.kw["bind"], threaded.kw["bind"] if threaded is not None else None
+        )
         out: dict[str, list[float]] = {"any": []} if quick else {"any": [], "west": []}
         try:
             for region, times in out.items():
@@ -505,6 +510,7 @@ def _query_times(
         finally:
             # As the agent's close_resources does.
             rows.dispose()
+            dispose_sync_readers(threaded)
             await dispose_read_engine(sessions, engine)
             await engine.dispose()
         return out

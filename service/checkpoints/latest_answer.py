@@ -39,7 +39,7 @@ async def latest_json(
             code="unknown_region",
         )
     rows = await read_latest_rows(
-        row_readers(resources), run, resources.settings.durability.min_regions, region
+        resources.rows, run, resources.settings.durability.min_regions, region
     )
     if rows is None:
         where = f" in region {region}" if region else ""
@@ -67,19 +67,10 @@ async def read_latest_rows(
     return await rows.read(repo.latest_rows, run, min_regions, region)
 
 
-def row_readers(resources: Resources) -> RowReaders:
-    """The agent's row readers; a Resources built without them reads on its
-    read sessions' engine."""
-    if resources.rows is not None:
-        return resources.rows
-    maker = resources.read_sessionmaker or resources.sessionmaker
-    return RowReaders(maker.kw["bind"])
-
-
 async def read_whole(resources: Resources, read: Callable[..., T], *args: Any) -> T:
     """Any other whole read of rows on the hot path, the way `latest`'s is
     read: ``read(connection, *args)`` (row_reads.py)."""
-    return await row_readers(resources).read(read, *args)
+    return await resources.rows.read(read, *args)
 
 
 async def _local_copy(

@@ -55,6 +55,20 @@ async def test_get_answers_while_another_connection_holds_the_write_lock(tmp_pat
         assert (await agent.register("r", 2, ckpt2)).status_code == 202
 
 
+def _busy() -> OperationalError:
+    """What SQLite answers a reader at a busy moment (busy_timeout 0)."""
+    return OperationalError("SELECT", {}, sqlite3.OperationalError("database is locked"))
+
+
+def _broken() -> OperationalError:
+    """Any other error of a read: not to be run again."""
+    return OperationalError("SELECT", {}, sqlite3.OperationalError("no such table: x"))
+
+
+def _where(loop_thread: int) -> str:
+    return "loop" if threading.get_ident() == loop_thread else "thread"
+
+
 async def test_detail_reads_on_the_event_loop_and_in_a_thread_when_sqlite_is_busy(
     tmp_path: Path,
 ) -> None:
@@ -69,17 +83,16 @@ async def test_detail_reads_on_the_event_loop_and_in_a_thread_when_sqlite_is_bus
     ran_in: list[str] = []
 
     def timeout_of(session: Session) -> int:
-        ran_in.append("loop" if threading.get_ident() == loop_thread else "thread")
+        ran_in.append(_where(loop_thread))
         return int(session.execute(text("PRAGMA busy_timeout")).scalar_one())
 
     def busy_on_the_loop(session: Session) -> int:
-        if threading.get_ident() == loop_thread:
-            # What SQLite answers a reader at a busy moment (busy_timeout 0).
-            raise OperationalError("SELECT", {}, sqlite3.OperationalError("database is locked"))
+        if _where(loop_thread) == "loop":
+            raise _busy()
         return timeout_of(session)
 
     def broken(session: Session) -> int:
-        raise OperationalError("SELECT", {}, sqlite3.OperationalError("no such table: x"))
+        raise _broken()
 
     try:
         assert await read_snapshot(inline, threaded, timeout_of) == 0
@@ -108,24 +121,25 @@ async def test_row_reads_keep_one_connection_on_the_loop_and_see_each_commit(
     invalidated)."""
     database = tmp_path / "catalog.db"
     engine = create_engine(f"sqlite+aiosqlite:///{database}")
-    rows = create_row_readers(engine, engine)
+    threaded = create_sync_readers(engine)
+    assert threaded is not None
+    rows = create_row_readers(engine, engine, threaded.kw["bind"])
     writer = sqlite3.connect(database, isolation_level=None)
     writer.execute("CREATE TABLE t (n INTEGER)")
     loop_thread = threading.get_ident()
     seen: list[tuple[str, int]] = []
 
     def count(connection: Connection) -> int:
-        where = "loop" if threading.get_ident() == loop_thread else "thread"
-        seen.append((where, id(connection)))
+        seen.append((_where(loop_thread), id(connection)))
         return int(connection.execute(text("SELECT count(*) FROM t")).scalar_one())
 
     def busy_on_the_loop(connection: Connection) -> int:
-        if threading.get_ident() == loop_thread:
-            raise OperationalError("SELECT", {}, sqlite3.OperationalError("database is locked"))
+        if _where(loop_thread) == "loop":
+            raise _busy()
         return count(connection)
 
     def broken(connection: Connection) -> int:
-        raise OperationalError("SELECT", {}, sqlite3.OperationalError("no such table: x"))
+        raise _broken()
 
     def timeout_of(connection: Connection) -> int:
         return int(connection.execute(text("PRAGMA busy_timeout")).scalar_one())
@@ -151,4 +165,5 @@ async def test_row_reads_keep_one_connection_on_the_loop_and_see_each_commit(
     finally:
         writer.close()
         rows.dispose()
+        dispose_sync_readers(threaded)
         await engine.dispose()
