@@ -83,29 +83,39 @@ def _line(seq: int, text: str) -> bytes:
 def _parse(path: Path) -> tuple[dict[int, str], list[bytes], int | None]:
     """The records of ``path`` not marked done (seq -> JSON, in order), the
     lines that cannot be read, and where its whole lines end when its last
-    one was cut off (else None)."""
-    with open(path, "rb") as fh:
-        content = fh.read()
-    lines = content.split(b"\n")
-    tail = lines.pop()  # text after the last newline: a cut-off write
-    whole = len(content) - len(tail) if tail else None
+    one was cut off (else None). Read a line at a time."""
     records: dict[int, str] = {}
     bad: list[bytes] = []
-    for line in lines:
-        kind, _, rest = line.partition(b" ")
-        try:
-            if kind == b"D":
-                records.pop(int(rest), None)
-                continue
-            if kind != b"R":
-                raise ValueError("unknown line")
-            seq, crc, data = rest.split(b" ", 2)
-            if int(crc, 16) != zlib.crc32(data):
-                raise ValueError("checksum")
-            records[int(seq)] = data.decode()
-        except ValueError:
-            bad.append(line)
-    return records, bad, whole
+    offset = 0
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):  # a cut-off write: always the last
+                return records, bad, offset
+            offset += len(raw)
+            line = raw[:-1]
+            kind, _, rest = line.partition(b" ")
+            try:
+                if kind == b"D":
+                    records.pop(int(rest), None)
+                    continue
+                if kind != b"R":
+                    raise ValueError("unknown line")
+                seq, crc, data = rest.split(b" ", 2)
+                if int(crc, 16) != zlib.crc32(data):
+                    raise ValueError("checksum")
+                records[int(seq)] = data.decode()
+            except ValueError:
+                bad.append(line)
+    return records, bad, None
+
+
+def _is_journal(name: str) -> bool:
+    return name.startswith(JOURNAL_PREFIX) and name.endswith(JOURNAL_SUFFIX)
+
+
+def _is_legacy(name: str) -> bool:
+    """An older agent's record file (not one kept aside as unreadable)."""
+    return name.endswith(LEGACY_SUFFIX) and not name.startswith(UNREADABLE_PREFIX)
 
 
 class InboxJournal:
@@ -126,11 +136,9 @@ class InboxJournal:
             name = path.name
             if name.startswith("."):
                 path.unlink(missing_ok=True)  # an older agent's record cut off before its rename
-            elif name.startswith(UNREADABLE_PREFIX):
-                continue
-            elif name.startswith(JOURNAL_PREFIX) and name.endswith(JOURNAL_SUFFIX):
+            elif _is_journal(name):
                 yield from self._recover_journal(path)
-            elif name.endswith(LEGACY_SUFFIX):
+            elif _is_legacy(name):
                 try:
                     text = path.read_text()
                 except OSError as exc:
@@ -251,8 +259,8 @@ def pending_records(directory: Path) -> list[dict[str, Any]]:
     read without changing anything: what a start would take up."""
     out: list[dict[str, Any]] = []
     for path in sorted(directory.iterdir()) if directory.exists() else ():
-        if path.name.startswith(JOURNAL_PREFIX) and path.name.endswith(JOURNAL_SUFFIX):
+        if _is_journal(path.name):
             out.extend(json.loads(text) for text in _parse(path)[0].values())
-        elif path.name.endswith(LEGACY_SUFFIX) and not path.name.startswith(UNREADABLE_PREFIX):
+        elif _is_legacy(path.name):
             out.append(json.loads(path.read_text()))
     return out
