@@ -97,11 +97,15 @@ class Trainer:
         try:
             return self.proc.wait(timeout)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self._reader.join(10)
-            self.log.close()
+            self.stop()
+
+    def stop(self) -> None:
+        """Killed if still running, reaped, its log closed (again: harmless)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(10)
+        self.log.close()
 
 
 def trainer_argv(url: str, ssd: Path, run: str, *extra: str) -> list[str]:
@@ -284,6 +288,37 @@ def _at(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
+def _sigterm_between_saves(trainer: Trainer, every: int) -> None:
+    """SIGTERM the trainer where it will save urgently: at a step it has not
+    just saved (it checks for preemption after a step's save, and a step
+    just saved is not saved again). Its events reach the test late on a busy
+    machine, so once it writes the step after a save the trainer is stopped
+    (SIGSTOP) while the test reads every event it has written; the signal
+    goes only if the last step written leaves the check at a step that is no
+    multiple of ``every`` (the check of the step written last, or, if that
+    one has passed, of the next)."""
+    for _ in range(20 * every):
+        last = trainer.until("step", timeout=30)["step"]
+        if last % every != 1:
+            continue
+        trainer.signal(signal.SIGSTOP)
+        try:
+            time.sleep(0.2)  # the reader thread takes what is in the pipe
+            while True:
+                try:
+                    event = trainer.next(timeout=0.1)
+                except queue.Empty:
+                    break
+                if event is not None and event["event"] in ("step", "checkpoint"):
+                    last = event["step"]
+            if last % every not in (0, every - 1):
+                trainer.signal(signal.SIGTERM)
+                return
+        finally:
+            trainer.signal(signal.SIGCONT)
+    raise AssertionError("never stopped the trainer between two saves")
+
+
 def test_sigterm_saves_urgently_ahead_of_queued_uploads(
     start_agent: AgentFactory, seaweed: SeaweedServer, tmp_path: Path
 ) -> None:
@@ -319,9 +354,7 @@ def test_sigterm_saves_urgently_ahead_of_queued_uploads(
         while len(queued) < 3:  # waiting for their turn: not even claimed
             trainer.until("checkpoint", timeout=30)
             queued = [c["step"] for c in checkpoints(agent.url, run) if c["state"] == "registered"]
-        last = trainer.until("step", timeout=10)
-        assert last["step"] % 4 != 0
-        trainer.signal(signal.SIGTERM)
+        _sigterm_between_saves(trainer, every=4)
         urgent = trainer.until("checkpoint", timeout=30, priority="urgent")
         # Staged: in the agent's memory tier, on its way to T0 and the catalog.
         assert urgent["step"] % 4 != 0 and urgent["state"] in ("staged", "registered", "uploading")
@@ -332,8 +365,7 @@ def test_sigterm_saves_urgently_ahead_of_queued_uploads(
     finally:
         if stopped:
             os.kill(seaweed.pid, signal.SIGCONT)
-        if trainer.proc.poll() is None:
-            trainer.proc.kill()
+        trainer.stop()
     assert code == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     assert preempted["step"] == urgent["step"] and preempted["reason"] == "SIGTERM"
     assert preempted["state"] in ("durable", "replicated")

@@ -127,10 +127,12 @@ async def test_row_reads_keep_one_connection_on_the_loop_and_see_each_commit(
     writer = sqlite3.connect(database, isolation_level=None)
     writer.execute("CREATE TABLE t (n INTEGER)")
     loop_thread = threading.get_ident()
-    seen: list[tuple[str, int]] = []
+    # The connections themselves, not their id(): one dropped after an error
+    # may be collected and its id() given to the next.
+    seen: list[tuple[str, Connection]] = []
 
     def count(connection: Connection) -> int:
-        seen.append((_where(loop_thread), id(connection)))
+        seen.append((_where(loop_thread), connection))
         return int(connection.execute(text("SELECT count(*) FROM t")).scalar_one())
 
     def busy_on_the_loop(connection: Connection) -> int:
@@ -149,7 +151,7 @@ async def test_row_reads_keep_one_connection_on_the_loop_and_see_each_commit(
         writer.execute("INSERT INTO t VALUES (1)")
         assert await rows.read(count) == 1  # a fresh snapshot
         assert [where for where, _ in seen] == ["loop", "loop"]
-        assert seen[0][1] == seen[1][1]  # the same connection, kept
+        assert seen[0][1] is seen[1][1]  # the same connection, kept
         assert await rows.read(timeout_of) == 0  # the loop's never waits
         # A write lock held elsewhere does not hold up a reader (WAL).
         writer.execute("BEGIN IMMEDIATE")
@@ -161,7 +163,7 @@ async def test_row_reads_keep_one_connection_on_the_loop_and_see_each_commit(
         with pytest.raises(OperationalError, match="no such table"):
             await rows.read(broken)  # not busy: not run again
         assert await rows.read(count) == 2
-        assert seen[-1][0] == "loop" and seen[-1][1] != seen[0][1]  # checked out again
+        assert seen[-1][0] == "loop" and seen[-1][1] is not seen[0][1]  # checked out again
     finally:
         writer.close()
         rows.dispose()
