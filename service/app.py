@@ -11,12 +11,13 @@ from fastapi import FastAPI
 from .advice.routes import router as advice_router
 from .agent import AgentProcess
 from .checkpoints.latest_path import LatestFastPath
-from .checkpoints.register_path import RegisterRoute
+from .checkpoints.register_path import register_route
 from .checkpoints.routes import router as checkpoints_router
 from .config import Settings
 from .errors import install_error_handlers
 from .health.routes import router as health_router
 from .limits import BodySizeLimit, RateLimit
+from .memory.routes import plain_routes as memory_plain_routes
 from .memory.routes import router as memory_router
 from .observability.middleware import RequestContext
 from .observability.routes import router as metrics_router
@@ -87,6 +88,6 @@ def create_app(
     app.include_router(prefetch_router)
     app.include_router(metrics_router)
     app.include_router(ui_router)
-    # First in the router: the registration below FastAPI's route machinery.
-    app.router.routes.insert(0, RegisterRoute())
+    # First in the router: a save's calls below FastAPI's route machinery.
+    app.router.routes[:0] = [register_route(), *memory_plain_routes()]
     return app

@@ -1,4 +1,7 @@
-"""HTTP routes of the memory tier: the arena, reserving a segment, staging it."""
+"""HTTP routes of the memory tier: the arena, reserving a segment, staging it.
+
+Reserving and staging are on a memory-staged save's path: each also has a
+plain route (plain_post.py) that answers ahead of FastAPI's, as these do."""
 
 from __future__ import annotations
 
@@ -7,14 +10,16 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from ..auth import Action, authorize
+from ..auth import Action, Principal, authorize
 from ..checkpoints.presenter import to_json
 from ..checkpoints.schemas import RegisterRequest
 from ..deps import AgentDep, PrincipalDep
 from ..errors import Conflict
+from ..plain_post import PlainPost
 from .service import MemoryTier, ReserveRequest, SegmentOut
 
 router = APIRouter(prefix="/v1/memory", tags=["memory"])
+SEGMENTS, STAGE = "/segments", "/segments/{segment_id}/register"
 
 
 def _tier(agent: AgentDep) -> MemoryTier:
@@ -38,7 +43,7 @@ async def memory_info(agent: AgentDep, principal: PrincipalDep) -> dict[str, Any
     return info
 
 
-@router.post("/segments", status_code=201, response_model=SegmentOut)
+@router.post(SEGMENTS, status_code=201, response_model=SegmentOut)
 async def reserve_segment(
     body: ReserveRequest, agent: AgentDep, principal: PrincipalDep
 ) -> SegmentOut:
@@ -48,7 +53,7 @@ async def reserve_segment(
     return _tier(agent).reserve(body)
 
 
-@router.post("/segments/{segment_id}/register", status_code=202)
+@router.post(STAGE, status_code=202)
 async def register_segment(
     segment_id: str, body: RegisterRequest, agent: AgentDep, principal: PrincipalDep
 ) -> Response:
@@ -69,3 +74,25 @@ async def release_segment(
     authorize(principal, Action.WRITE, tier.arena.get(segment_id).run)
     tier.release(segment_id)
     return {"released": segment_id}
+
+
+async def _plain_reserve(
+    app: Any, principal: Principal, body: ReserveRequest, _params: dict[str, str]
+) -> tuple[int, bytes]:
+    authorize(principal, Action.WRITE, body.run)
+    return 201, _tier(app.state.agent).reserve(body).model_dump_json().encode()
+
+
+async def _plain_stage(
+    app: Any, principal: Principal, body: RegisterRequest, params: dict[str, str]
+) -> tuple[int, bytes]:
+    authorize(principal, Action.WRITE, body.run)
+    return 202, to_json(_tier(app.state.agent).stage(params["segment_id"], body))
+
+
+def plain_routes() -> list[PlainPost]:
+    """Reserve and stage below FastAPI's route machinery (plain_post.py)."""
+    return [
+        PlainPost(router.prefix + SEGMENTS, ReserveRequest, _plain_reserve),
+        PlainPost(router.prefix + STAGE, RegisterRequest, _plain_stage),
+    ]

@@ -1,9 +1,12 @@
-"""`POST /v1/checkpoints` below FastAPI's routing (checkpoints/register_path.py)
-answers exactly as the FastAPI route: the same statuses and bodies for a new
-checkpoint, a repeat, another rank, and every refusal (bad input, conflicts,
-an invalid body, no token, a forbidden run). The route is reached the same
-way with a chunked body, which the fast path hands over; a spy on the
-route's endpoint tells which of the two answered."""
+"""The plain POST routes (plain_post.py) answer exactly as the FastAPI
+routes of the same paths. `POST /v1/checkpoints`: the same statuses and
+bodies for a new checkpoint, a repeat, another rank, and every refusal (bad
+input, conflicts, an invalid body, no token, a forbidden run). A memory-staged
+save's reserve and stage: a segment reserved, staged, and each refusal
+(a forbidden run, no token, a segment too large, unknown or reserved for
+another step, an invalid body). The FastAPI routes are reached the same way
+with a chunked body, which a plain route hands over; spies tell which of the
+two answered."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import httpx
 import pytest
 
 from devsupport.agent import Agent, running_agent, token_entry, write_checkpoint
+from tierckpt.service import plain_post
 from tierckpt.service.checkpoints import routes
 
 TRAINER = "trainer-secret"
@@ -24,7 +28,7 @@ AUTH = {"Authorization": f"Bearer {TRAINER}"}
 
 # Fields that differ between two registrations of equal content made at
 # different moments (or under different names), left out of the comparison.
-MOMENT = ("created_at", "id", "run", "path", "uri")
+MOMENT = ("created_at", "expires_at", "id", "run", "path", "uri")
 
 
 def _comparable(value: Any) -> Any:
@@ -51,7 +55,28 @@ class Spy:
         monkeypatch.setattr(routes, "register", counted)
 
 
-async def _post(agent: Agent, body: Any, *, chunked: bool, headers: dict[str, str]) -> Any:
+class HandOverSpy:
+    """Counts the requests the plain routes handed to FastAPI's."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = plain_post._hand_over
+
+        async def counted(*args: Any) -> None:
+            self.calls += 1
+            await real(*args)
+
+        monkeypatch.setattr(plain_post, "_hand_over", counted)
+
+
+async def _post(
+    agent: Agent,
+    body: Any,
+    *,
+    chunked: bool,
+    headers: dict[str, str],
+    path: str = "/v1/checkpoints",
+) -> Any:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     if chunked:
 
@@ -62,7 +87,7 @@ async def _post(agent: Agent, body: Any, *, chunked: bool, headers: dict[str, st
     else:
         content = raw
     return await agent.http.post(
-        "/v1/checkpoints",
+        path,
         content=content,
         headers={"content-type": "application/json", **headers},
     )
@@ -144,3 +169,44 @@ async def test_a_body_over_the_limit_is_refused_before_the_fast_path(
         assert httpx.codes.is_success(
             (await small.http.post("/v1/checkpoints", json={**body, "metrics": {}})).status_code
         )
+
+
+async def test_the_memory_routes_answer_as_fastapis_do(
+    catalog_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = HandOverSpy(monkeypatch)
+    async with running_agent(
+        catalog_url, tmp_path, tokens=TOKENS, memory={"bytes": 1 << 20}
+    ) as agent:
+        answers: dict[bool, list[tuple[int, Any]]] = {}
+        for chunked in (False, True):
+            run = f"llama-{'route' if chunked else 'fast'}"
+
+            async def post(
+                body: Any, path: str, headers: dict[str, str] = AUTH, chunked: bool = chunked
+            ) -> Any:
+                answer = await _post(agent, body, chunked=chunked, headers=headers, path=path)
+                answers[chunked].append((answer.status_code, _comparable(answer.json())))
+                return answer
+
+            answers[chunked] = []
+            files = [{"path": "model.bin", "size": 100}]
+            reserve = "/v1/memory/segments"
+            segment = (await post({"run": run, "step": 1, "files": files}, reserve)).json()
+            (Path(segment["path"]) / "model.bin").write_bytes(b"m" * 100)
+            await post({"run": run, "step": 2, "files": [{"path": "x", "size": 2 << 20}]}, reserve)
+            await post({"run": "mistral-1", "step": 1, "files": files}, reserve)  # 403
+            await post({"run": run, "step": 3, "files": files}, reserve, headers={})  # 401
+            await post({"run": run, "step": 3, "files": []}, reserve)  # invalid: 422
+            stage = f"/v1/memory/segments/{segment['id']}/register"
+            target = str(agent.ssd / run / "step-1")
+            await post({"run": run, "step": 9, "path": target}, stage)  # another step: 400
+            await post({"run": run, "step": 1}, stage)  # a field missing: 422
+            await post({"run": run, "step": 1, "path": target}, "/v1/memory/segments/nope/register")
+            await post({"run": run, "step": 1, "path": target}, stage)  # staged: 202
+            if not chunked:
+                assert spy.calls == 2  # only the two invalid bodies went FastAPI's way
+        assert spy.calls > 2  # the chunked bodies went FastAPI's way
+        statuses = [status for status, _ in answers[False]]
+        assert statuses == [201, 507, 403, 401, 422, 400, 422, 404, 202]
+        assert answers[False] == answers[True]
