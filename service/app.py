@@ -14,7 +14,7 @@ from .checkpoints.latest_path import LatestFastPath
 from .checkpoints.register_path import register_route
 from .checkpoints.routes import router as checkpoints_router
 from .config import Settings
-from .errors import install_error_handlers
+from .error_responses import install_error_handlers
 from .health.routes import router as health_router
 from .limits import BodySizeLimit, RateLimit
 from .memory.routes import plain_routes as memory_plain_routes

@@ -29,7 +29,8 @@ from urllib.parse import parse_qsl
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..auth import Action, authenticate, authorize
-from ..errors import ApiError, catalog_unavailable, is_catalog_outage
+from ..error_responses import catalog_unavailable
+from ..errors import ApiError, is_catalog_outage
 from ..names import RUN_NAME
 from ..plain_asgi import RouteLabel, authorization, send_json
 from ..resources import Resources
