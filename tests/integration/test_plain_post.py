@@ -44,29 +44,17 @@ def _comparable(value: Any) -> Any:
 
 
 class Spy:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counts the calls of ``module.name`` (an async function), which it wraps."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> None:
         self.calls = 0
-        real = routes.register
+        real = getattr(module, name)
 
         async def counted(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return await real(*args, **kwargs)
 
-        monkeypatch.setattr(routes, "register", counted)
-
-
-class HandOverSpy:
-    """Counts the requests the plain routes handed to FastAPI's."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        real = plain_post._hand_over
-
-        async def counted(*args: Any) -> None:
-            self.calls += 1
-            await real(*args)
-
-        monkeypatch.setattr(plain_post, "_hand_over", counted)
+        monkeypatch.setattr(module, name, counted)
 
 
 async def _post(
@@ -102,7 +90,7 @@ async def agent(catalog_url: str, tmp_path: Path) -> AsyncIterator[Agent]:
 async def test_the_fast_path_answers_as_the_route_does(
     agent: Agent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spy = Spy(monkeypatch)
+    spy = Spy(monkeypatch, routes, "register")  # FastAPI's route calls it
     answers: dict[bool, list[tuple[int, Any]]] = {}
     for chunked in (False, True):
         run = f"llama-{'route' if chunked else 'fast'}"
@@ -174,7 +162,7 @@ async def test_a_body_over_the_limit_is_refused_before_the_fast_path(
 async def test_the_memory_routes_answer_as_fastapis_do(
     catalog_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spy = HandOverSpy(monkeypatch)
+    spy = Spy(monkeypatch, plain_post, "_hand_over")  # to FastAPI's routes
     async with running_agent(
         catalog_url, tmp_path, tokens=TOKENS, memory={"bytes": 1 << 20}
     ) as agent:
