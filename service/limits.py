@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .config import TokenSettings
+from .errors import error_body
 from .plain_asgi import send_json
 
 # A peer copy's file is as large as the checkpoint's: its receiver bounds it
@@ -100,7 +101,7 @@ async def send_json_error(
     headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> None:
     """Answer with the service's JSON error shape from plain ASGI."""
-    payload = json.dumps({"error": {"code": code, "message": message}}).encode()
+    payload = json.dumps(error_body(code, message)).encode()
     await send_json(send, status, payload, headers)
 
 

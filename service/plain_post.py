@@ -69,7 +69,7 @@ class _Endpoint:
             try:
                 request = self.model.model_validate_json(body)
             except ValidationError:
-                request = None
+                pass  # handed over: the FastAPI route words the 422
         if request is None:
             await _hand_over(scope, receive if body is None else _replay(body), send)
             return
