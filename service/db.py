@@ -50,14 +50,14 @@ def create_engine(url: str, *, bounded: bool = False, **kwargs: Any) -> AsyncEng
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         connect_args = _bounded_connect_args() if bounded else {"timeout": CONNECT_TIMEOUT}
-        return create_async_engine(
-            url,
-            pool_pre_ping=True,
-            pool_size=10,
-            max_overflow=20,
-            connect_args=connect_args,
-            **kwargs,
+        engine = create_async_engine(
+            url, pool_size=10, max_overflow=20, connect_args=connect_args, **kwargs
         )
+        # Not pool_pre_ping: through asyncpg it is three round trips (BEGIN,
+        # the ping, ROLLBACK) before every transaction the worker and the
+        # passes run, a share of the catalog's work and of each job's.
+        _ping_when_idle(engine, PING_AFTER_IDLE)
+        return engine
 
     if not parsed.database or parsed.database == ":memory:":
         engine = create_async_engine(url, connect_args={"timeout": 30}, **kwargs)
@@ -255,34 +255,32 @@ def create_read_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSes
         max_overflow=4,
         connect_args=_bounded_connect_args(),
     )
-    _ping_when_idle(readers, READ_PING_AFTER_IDLE)
+    _ping_when_idle(readers, PING_AFTER_IDLE)
     return async_sessionmaker(readers, expire_on_commit=False)
 
 
 def create_writer_engine(
     engine: AsyncEngine, *, synchronous_commit: bool = True
 ) -> AsyncEngine | None:
-    """PostgreSQL: a small engine of its own for the registration writer,
-    whose connections are pinged only after sitting idle (``_ping_when_idle``)
-    rather than at every checkout as the main engine's (pool_pre_ping): the
-    ping was a round trip of every registration, each waiting for a CPU on a
-    busy node. Without ``synchronous_commit`` its commits return before the
-    server has flushed them (``[catalog] register_ack = "committed"``). None
-    on SQLite (the writer has its own engine there: ``create_sync_engine``).
-    Dispose of it with the batcher."""
+    """PostgreSQL: a small engine of its own for the registration writer
+    (its connections, like every engine's here, pinged only after sitting
+    idle: ``_ping_when_idle``). Without ``synchronous_commit`` its commits
+    return before the server has flushed them (``[catalog] register_ack =
+    "committed"``). None on SQLite (the writer has its own engine there:
+    ``create_sync_engine``). Dispose of it with the batcher."""
     if engine.dialect.name != "postgresql":
         return None
     connect_args = _bounded_connect_args()
     if not synchronous_commit:
         connect_args["server_settings"] = {"synchronous_commit": "off"}
     writer = create_async_engine(engine.url, pool_size=1, max_overflow=2, connect_args=connect_args)
-    _ping_when_idle(writer, READ_PING_AFTER_IDLE)
+    _ping_when_idle(writer, PING_AFTER_IDLE)
     return writer
 
 
-# A pooled read connection used less than this long ago is handed out without
-# a ping (see _ping_when_idle).
-READ_PING_AFTER_IDLE = 1.0
+# A pooled connection used less than this long ago is handed out without a
+# ping (see _ping_when_idle).
+PING_AFTER_IDLE = 1.0
 
 
 def _ping_when_idle(engine: AsyncEngine, idle_seconds: float) -> None:
@@ -297,7 +295,8 @@ def _ping_when_idle(engine: AsyncEngine, idle_seconds: float) -> None:
     saying so, fails its statement, and that invalidates the whole pool
     (SQLAlchemy's disconnect handling): `latest` tries once more and gets a
     fresh connection (latest_answer._read_with_retry); other reads answer
-    that one request 503 (retry shortly), and the next gets a fresh one."""
+    that one request 503 (retry shortly), and the next gets a fresh one; a
+    job in the worker fails that attempt and is retried after its backoff."""
 
     @event.listens_for(engine.sync_engine, "checkin")
     def _checked_in(_dbapi_connection: Any, record: Any) -> None:
