@@ -319,6 +319,22 @@ async def complete(session: AsyncSession, job: Job) -> None:
     )
 
 
+async def complete_queued(session: AsyncSession, job_ids: list[int]) -> int:
+    """Mark queued jobs done without running them, another job having done
+    their work (retention at durable: retention/at_durable.py); those no
+    longer queued (claimed meanwhile) are left to run. How many were marked."""
+    if not job_ids:
+        return 0
+    now = utcnow()
+    result = await session.execute(
+        update(Job)
+        .where(Job.id.in_(job_ids), Job.state == JobState.QUEUED)
+        .values(state=JobState.SUCCEEDED, dedupe_key=None, finished_at=now, updated_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount or 0  # type: ignore[attr-defined]
+
+
 async def fail(session: AsyncSession, job: Job, error: str) -> None:
     await _transition(
         session,

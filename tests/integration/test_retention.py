@@ -16,7 +16,17 @@ from devsupport.agent import Agent, running_agent, s3_region, write_checkpoint
 from devsupport.catalog_lock import rows
 from devsupport.seaweed import SeaweedServer
 from tierckpt.service.db import reading, transaction
-from tierckpt.service.models import Checkpoint, CheckpointState, Job, JobKind, utcnow
+from tierckpt.service.jobs import kinds, queue
+from tierckpt.service.models import (
+    Checkpoint,
+    CheckpointState,
+    Job,
+    JobKind,
+    JobState,
+    Run,
+    utcnow,
+)
+from tierckpt.service.retention import at_durable
 from tierckpt.service.retention.service import (
     DELETIONS_PER_TRANSACTION,
     apply_all,
@@ -239,6 +249,84 @@ async def test_retention_applies_when_a_checkpoint_becomes_durable(
             4: "replicated",
             5: "replicated",
         }
+
+
+async def test_one_retain_job_covers_those_of_its_run_queued_before_it(
+    catalog_url: str, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Checkpoints turning durable faster than the worker gets to their retain
+    jobs (a backlog of uploads): the first to run plans the run once and
+    marks the other retain jobs of its run and node, queued before it read
+    the catalog, done. One queued while it runs (a checkpoint turning durable
+    meanwhile) and another run's stay queued."""
+    async with running_agent(
+        catalog_url,
+        tmp_path,
+        start_worker=False,  # the jobs stay queued until the test runs them
+        retention={"keep_last": 1, "interval_seconds": 3600},
+    ) as agent:
+        for run, step in [("r", 1), ("r", 2), ("r", 3), ("r", 4), ("other", 1)]:
+            ckpt = write_checkpoint(agent.ssd / run / f"s{step}", {"w.bin": 100 + step})
+            assert (await agent.register(run, step, ckpt)).status_code == 202
+            await agent.in_catalog(run)
+        sessionmaker = agent.resources.sessionmaker
+        async with transaction(sessionmaker) as session:
+            checkpoints = {
+                (run, c.step): c
+                for c, run in (
+                    await session.execute(
+                        select(Checkpoint, Run.name).join(Run, Run.id == Checkpoint.run_id)
+                    )
+                ).all()
+            }
+            for checkpoint in checkpoints.values():
+                checkpoint.state = CheckpointState.DURABLE
+                checkpoint.durable_at = utcnow()
+            for key in [("r", 1), ("r", 2), ("r", 3), ("other", 1)]:
+                await kinds.enqueue_retention(session, checkpoints[key])
+        ids = {key: c.id for key, c in checkpoints.items()}
+
+        async def retain_state() -> dict[tuple[str, int], str]:
+            async with reading(sessionmaker)() as session:
+                found = await session.execute(
+                    select(Job.checkpoint_id, Job.state).where(Job.kind == JobKind.RETAIN)
+                )
+                by_id = {checkpoint_id: key for key, checkpoint_id in ids.items()}
+                return {by_id[checkpoint_id]: state for checkpoint_id, state in found}
+
+        real_queue_deletions = at_durable.queue_deletions
+
+        async def durable_meanwhile(resources: Any, run_id: int | None = None) -> int:
+            # Step 4 turns durable while the pass plans: its retain job is queued
+            # after the pass's first read, so the pass does not cover it.
+            async with transaction(sessionmaker) as session:
+                await kinds.enqueue_retention(session, checkpoints[("r", 4)])
+            return await real_queue_deletions(resources, run_id)
+
+        monkeypatch.setattr(at_durable, "queue_deletions", durable_meanwhile)
+        async with transaction(sessionmaker) as session:
+            first = await session.scalar(
+                select(Job.id).where(Job.kind == JobKind.RETAIN, Job.checkpoint_id == ids[("r", 1)])
+            )
+            assert first is not None
+            job = await queue.claim_queued(session, first, owner="test", lease_seconds=60)
+        assert job is not None
+        await at_durable.RetainJobs(agent.resources).retain(job)
+
+        assert await retain_state() == {
+            ("r", 1): JobState.SUCCEEDED,  # run
+            ("r", 2): JobState.SUCCEEDED,  # covered
+            ("r", 3): JobState.SUCCEEDED,  # covered
+            ("r", 4): JobState.QUEUED,  # queued after the pass's first read
+            ("other", 1): JobState.QUEUED,  # another run
+        }
+        async with reading(sessionmaker)() as session:
+            deleting = set(
+                await session.scalars(select(Job.checkpoint_id).where(Job.kind == JobKind.DELETE))
+            )
+        # The pass did the covered jobs' work: keep_last = 1 of r's durable ones.
+        assert {ids[("r", s)] for s in (1, 2, 3)} <= deleting
+        assert ids[("other", 1)] not in deleting
 
 
 async def test_a_pass_queues_only_new_deletions_a_few_per_statement(
