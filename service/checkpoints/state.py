@@ -15,7 +15,7 @@ from typing import Protocol
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..jobs import kinds
+from ..jobs import kinds, queue
 from ..models import ENDED_STATES, Checkpoint, CheckpointState, Replica, ReplicaState, utcnow
 from . import replicas
 
@@ -83,11 +83,13 @@ async def commit_replica(
     checkpoint's state follows. ``verified``: every byte was hashed on the way
     (True), the copy was not (False: any earlier verification no longer
     holds), or nothing is said (None). The checkpoint row must be locked.
-    A checkpoint that becomes durable here has its run's retention applied
+    A replicate job still queued into the region is done with it. A
+    checkpoint that becomes durable here has its run's retention applied
     now (a retain job), not at the next periodic sweep."""
     await replicas.mark_committed(
         session, checkpoint.id, region, manifest_sha256, verified=verified, now=utcnow()
     )
+    await queue.replication_done(session, checkpoint.id, region)
     if await refresh_state(session, checkpoint, min_regions, region_count):
         await kinds.enqueue_retention(session, checkpoint)
 

@@ -484,6 +484,35 @@ async def supersede_uploads(session: AsyncSession, checkpoint_id: int, region: s
     return True
 
 
+# replication_done's statement, built once (it runs in every replica's commit).
+_REPLICATION_DONE = (
+    update(JOBS)
+    .where(
+        JOBS.c.checkpoint_id == bindparam("b_id"),
+        JOBS.c.region == bindparam("b_region"),
+        JOBS.c.kind == JobKind.REPLICATE.value,
+        JOBS.c.state == JobState.QUEUED.value,
+    )
+    .values(
+        state=JobState.SUCCEEDED.value,
+        dedupe_key=None,
+        finished_at=bindparam("b_now"),
+        updated_at=bindparam("b_now"),
+    )
+)
+
+
+async def replication_done(session: AsyncSession, checkpoint_id: int, region: str) -> None:
+    """The region's copy of the checkpoint is committed: a replicate job still
+    queued into it (the safety net an upload from T0 filling the region
+    leaves, ``kinds.enqueue_replication``) has nothing left to do. Marked done
+    now, in the commit's transaction, rather than claimed and run for nothing
+    a grace period later. One already running finishes on its own."""
+    await session.execute(
+        _REPLICATION_DONE, {"b_id": checkpoint_id, "b_region": region, "b_now": utcnow()}
+    )
+
+
 async def hurry_replication(session: AsyncSession, checkpoint_id: int, region: str) -> None:
     """Run the queued replicate job into ``region`` now: the upload from T0 it
     was giving a grace period to will not finish."""
