@@ -18,6 +18,7 @@ from types import ModuleType
 
 from . import (
     catalog_latest,
+    catalog_work,
     cpu,
     dcp_plugin,
     dcp_restore,
@@ -43,6 +44,7 @@ SCENARIOS: list[ModuleType] = [
     registration_rate,
     trainer_stall,
     catalog_latest,
+    catalog_work,
     dedup,
     memory,
     dcp_plugin,
