@@ -51,7 +51,12 @@ def create_engine(url: str, *, bounded: bool = False, **kwargs: Any) -> AsyncEng
     if parsed.get_backend_name() != "sqlite":
         connect_args = _bounded_connect_args() if bounded else {"timeout": CONNECT_TIMEOUT}
         engine = create_async_engine(
-            url, pool_size=10, max_overflow=20, connect_args=connect_args, **kwargs
+            url,
+            pool_size=10,
+            max_overflow=20,
+            pool_use_lifo=True,  # see _ping_when_idle
+            connect_args=connect_args,
+            **kwargs,
         )
         # Not pool_pre_ping: through asyncpg it is three round trips (BEGIN,
         # the ping, ROLLBACK) before every transaction the worker and the
@@ -253,6 +258,7 @@ def create_read_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSes
         isolation_level="AUTOCOMMIT",
         pool_size=4,
         max_overflow=4,
+        pool_use_lifo=True,  # see _ping_when_idle
         connect_args=_bounded_connect_args(),
     )
     _ping_when_idle(readers, PING_AFTER_IDLE)
@@ -273,7 +279,9 @@ def create_writer_engine(
     connect_args = _bounded_connect_args()
     if not synchronous_commit:
         connect_args["server_settings"] = {"synchronous_commit": "off"}
-    writer = create_async_engine(engine.url, pool_size=1, max_overflow=2, connect_args=connect_args)
+    writer = create_async_engine(
+        engine.url, pool_size=1, max_overflow=2, pool_use_lifo=True, connect_args=connect_args
+    )
     _ping_when_idle(writer, PING_AFTER_IDLE)
     return writer
 
@@ -296,7 +304,13 @@ def _ping_when_idle(engine: AsyncEngine, idle_seconds: float) -> None:
     (SQLAlchemy's disconnect handling): `latest` tries once more and gets a
     fresh connection (latest_answer._read_with_retry); other reads answer
     that one request 503 (retry shortly), and the next gets a fresh one; a
-    job in the worker fails that attempt and is retried after its backoff."""
+    job in the worker fails that attempt and is retried after its backoff.
+
+    The pools hand out the connection used last (``pool_use_lifo``): with the
+    default, the oldest, a pool that once grew to a few connections would
+    cycle through all of them under light use (an idle worker's claim every
+    half second), each idle past ``idle_seconds`` and pinged every time,
+    while the one used last stays warm and the others simply wait."""
 
     @event.listens_for(engine.sync_engine, "checkin")
     def _checked_in(_dbapi_connection: Any, record: Any) -> None:
