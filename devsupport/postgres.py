@@ -162,6 +162,38 @@ def drop_database(name_or_url: str, admin_url: str | None = None) -> None:
     _on(admin, lambda conn: conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+def terminate_connections(url: str) -> int:
+    """End every other session on ``url``'s database, as a restart of the
+    server or an operator's pg_terminate_backend would; how many were ended."""
+
+    async def terminate(conn: asyncpg.Connection) -> int:
+        ended = await conn.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return int(ended)
+
+    return _on(url, terminate)
+
+
+def transaction_count(name_or_url: str, admin_url: str | None = None) -> int:
+    """Commits + rollbacks of a database so far (``pg_stat_database``: each
+    session reports its own at the end of a transaction at most once a
+    second, and within ten seconds of going idle). Read from the admin
+    database, so that the reading adds nothing to the count."""
+    admin = admin_url or postgres_admin_url()
+    name = make_url(name_or_url).database if "://" in name_or_url else name_or_url
+
+    async def count(conn: asyncpg.Connection) -> int:
+        await conn.execute("SELECT pg_stat_clear_snapshot()")
+        value = await conn.fetchval(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = $1", name
+        )
+        return int(value)
+
+    return _on(admin, count)
+
+
 @contextlib.contextmanager
 def temp_database(admin_url: str | None = None, prefix: str = TEMP_PREFIX) -> Iterator[str]:
     """A new database (`create_temp_database`) for the `with` block, dropped after it."""

@@ -15,11 +15,8 @@ With ``--quick`` the grace is not waited for.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
-
-import asyncpg
 
 from devsupport import postgres as pg
 from tierckpt.client import CheckpointClient
@@ -41,25 +38,11 @@ TIMEOUT = 300.0
 
 
 def _transactions(url: str, settle_seconds: float = 1.5) -> tuple[int, float]:
-    """The database's commits + rollbacks so far, and when. A backend reports
-    its counts at the end of a transaction at most once a second, and one
-    that went idle within ten seconds (PostgreSQL >= 15): ``settle_seconds``
-    is waited first."""
+    """The database's commits + rollbacks so far, and when; ``settle_seconds``
+    is waited first, for the sessions to report theirs
+    (``pg.transaction_count``)."""
     time.sleep(settle_seconds)
-
-    async def read() -> int:
-        conn = await asyncpg.connect(pg.asyncpg_dsn(pg.postgres_admin_url()))
-        try:
-            await conn.execute("SELECT pg_stat_clear_snapshot()")
-            value = await conn.fetchval(
-                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = $1",
-                url.rsplit("/", 1)[1],
-            )
-            return int(value)
-        finally:
-            await conn.close()
-
-    return asyncio.run(read()), time.monotonic()
+    return pg.transaction_count(url), time.monotonic()
 
 
 def run(ctx: BenchContext) -> dict[str, Any]:

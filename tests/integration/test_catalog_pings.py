@@ -15,10 +15,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-import asyncpg
 import pytest
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from devsupport import postgres as pg
@@ -93,22 +91,11 @@ async def test_light_use_keeps_one_connection_warm_after_the_pool_grew(
         await engine.dispose()
 
 
-async def test_a_connection_the_server_dropped_is_replaced(
-    catalog_url: str, postgres_admin_url: str
-) -> None:
+async def test_a_connection_the_server_dropped_is_replaced(catalog_url: str) -> None:
     engine = db.create_engine(catalog_url, bounded=True)
     try:
         before = await one_transaction(engine)
-        admin = await asyncpg.connect(pg.asyncpg_dsn(postgres_admin_url))
-        try:
-            killed = await admin.fetchval(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE datname = $1 AND pid <> pg_backend_pid()",
-                make_url(catalog_url).database,
-            )
-        finally:
-            await admin.close()
-        assert killed >= 1
+        assert pg.terminate_connections(catalog_url) >= 1
         await asyncio.sleep(0.2)  # the socket's end reaches the event loop
         # Known closed at checkout (no ping needed): a fresh connection, no error.
         after = await one_transaction(engine)
