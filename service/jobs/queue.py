@@ -319,19 +319,31 @@ async def complete(session: AsyncSession, job: Job) -> None:
     )
 
 
+def _done_unrun(*conditions: ColumnElement[bool]) -> Update:
+    """The UPDATE marking queued jobs done without running them, another job
+    having done their work (built once per use, bound per call)."""
+    return (
+        update(JOBS)
+        .where(JOBS.c.state == JobState.QUEUED.value, *conditions)
+        .values(
+            state=JobState.SUCCEEDED.value,
+            dedupe_key=None,
+            finished_at=bindparam("b_now"),
+            updated_at=bindparam("b_now"),
+        )
+    )
+
+
+_COMPLETE_QUEUED = _done_unrun(JOBS.c.id.in_(bindparam("b_ids", expanding=True)))
+
+
 async def complete_queued(session: AsyncSession, job_ids: list[int]) -> int:
     """Mark queued jobs done without running them, another job having done
     their work (retention at durable: retention/at_durable.py); those no
     longer queued (claimed meanwhile) are left to run. How many were marked."""
     if not job_ids:
         return 0
-    now = utcnow()
-    result = await session.execute(
-        update(Job)
-        .where(Job.id.in_(job_ids), Job.state == JobState.QUEUED)
-        .values(state=JobState.SUCCEEDED, dedupe_key=None, finished_at=now, updated_at=now)
-        .execution_options(synchronize_session=False)
-    )
+    result = await session.execute(_COMPLETE_QUEUED, {"b_ids": job_ids, "b_now": utcnow()})
     return result.rowcount or 0  # type: ignore[attr-defined]
 
 
@@ -484,21 +496,11 @@ async def supersede_uploads(session: AsyncSession, checkpoint_id: int, region: s
     return True
 
 
-# replication_done's statement, built once (it runs in every replica's commit).
-_REPLICATION_DONE = (
-    update(JOBS)
-    .where(
-        JOBS.c.checkpoint_id == bindparam("b_id"),
-        JOBS.c.region == bindparam("b_region"),
-        JOBS.c.kind == JobKind.REPLICATE.value,
-        JOBS.c.state == JobState.QUEUED.value,
-    )
-    .values(
-        state=JobState.SUCCEEDED.value,
-        dedupe_key=None,
-        finished_at=bindparam("b_now"),
-        updated_at=bindparam("b_now"),
-    )
+# replication_done's statement (it runs in every replica's commit).
+_REPLICATION_DONE = _done_unrun(
+    JOBS.c.checkpoint_id == bindparam("b_id"),
+    JOBS.c.region == bindparam("b_region"),
+    JOBS.c.kind == JobKind.REPLICATE.value,
 )
 
 
