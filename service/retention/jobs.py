@@ -56,6 +56,7 @@ class DeleteJobs:
             contents = await load_contents(session, checkpoint)
             manifest_key = contents.manifest_key(checkpoint)
             keys = [o.key for o in contents.objects]
+            sizes = [o.size for o in contents.objects]
             regions = [
                 r.region
                 for r in await session.scalars(
@@ -68,7 +69,7 @@ class DeleteJobs:
             ]
 
         for region in regions:
-            await self._delete_in(self.r.stores[region], manifest_key, keys)
+            await self._delete_in(self.r.stores[region], manifest_key, keys, sizes)
             async with transaction(self.r.sessionmaker) as session:
                 await replicas.mark_deleted(session, job.checkpoint_id, region)
 
@@ -92,11 +93,15 @@ class DeleteJobs:
         return None
 
     @staticmethod
-    async def _delete_in(store: ObjectStore, manifest_key: str, keys: list[str]) -> None:
+    async def _delete_in(
+        store: ObjectStore, manifest_key: str, keys: list[str], sizes: list[int]
+    ) -> None:
         await store.delete(manifest_key)  # the commit marker first
         # Uploads still open under the checkpoint (an upload killed mid-way,
-        # or one running now) would otherwise outlive it, unseen and billed.
-        await abort_left_uploads(store, posixpath.dirname(manifest_key) + "/")
+        # or one running now) would otherwise outlive it, unseen and billed;
+        # in S3 none can be when every file went up in one PUT.
+        if store.may_leave_open(sizes):
+            await abort_left_uploads(store, posixpath.dirname(manifest_key) + "/")
         semaphore = asyncio.Semaphore(16)
 
         async def one(key: str) -> None:

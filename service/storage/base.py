@@ -9,7 +9,7 @@ file that is renamed into place on completion.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 
@@ -79,6 +79,12 @@ class ObjectStore(ABC):
         """Abort every multipart upload still open under ``prefix`` (``prefix``
         ends with '/'), and return how many: what an agent killed mid-upload
         left behind, which no one would otherwise ever complete or remove."""
+
+    def may_leave_open(self, sizes: Iterable[int]) -> bool:
+        """Whether writing objects of these sizes can have left something
+        for ``abort_incomplete`` to clear had the writer been killed. Yes
+        unless the store knows better."""
+        return True
 
     @abstractmethod
     async def get_range(self, key: str, start: int, length: int) -> bytes: ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -18,6 +18,11 @@ from . import layout
 from .base import MultipartUpload, ObjectInfo, ObjectNotFound, ObjectStore, PartRef, StoreError
 
 UNSIGNED_PAYLOAD_SIGNER = "s3v4-tierckpt-unsigned-payload"
+# The smallest part our multipart uploads send: `[upload] part_size_mb` may
+# not go below it (S3's own floor for every part but the last), and an object
+# no larger than one part is written with one PUT, by the upload and by
+# replication alike (server-side copies go in parts only above 5 GiB).
+MIN_PART_BYTES = 5 * 1024 * 1024
 
 
 class _S3SigV4UnsignedPayload(botocore.auth.S3SigV4Auth):
@@ -252,6 +257,13 @@ class S3Store(ObjectStore):
             )
         except StoreError:
             pass  # best effort; the bucket's lifecycle rule reaps leftovers
+
+    def may_leave_open(self, sizes: Iterable[int]) -> bool:
+        # A single PUT killed mid-way leaves nothing in S3; only an object
+        # larger than the smallest part was ever sent in parts. Listing the
+        # open uploads is a request and a paged XML answer per region, which
+        # a checkpoint of small files need not pay.
+        return any(size > MIN_PART_BYTES for size in sizes)
 
     async def abort_incomplete(self, prefix: str) -> int:
         client = await self._s3()

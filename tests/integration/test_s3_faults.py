@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from devsupport.agent import running_agent, s3_region, write_checkpoint
-from devsupport.s3proxy import S3FaultProxy
+from devsupport.s3proxy import S3FaultProxy, Seen
 from devsupport.seaweed import SeaweedServer
 
 PREFIX = "prod"
@@ -122,6 +122,75 @@ async def test_slow_store_still_completes(
         check_bytes(s3_client, s3_bucket, "r", 1, ckpt)
 
 
+def lists_uploads(request: Any) -> bool:
+    """ListMultipartUploads (GET on the bucket with ?uploads), for a fault."""
+    return request.method == "GET" and "uploads" in request.query
+
+
+def is_upload_listing(seen: Seen) -> bool:
+    """The same request in the proxy's log."""
+    return seen.method == "GET" and "uploads" in seen.query.split("&")
+
+
+async def delete_and_wait(agent: Any, run: str, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Delete (forced) and wait for the delete job to end: (detail, job)."""
+    path = f"/v1/runs/{run}/checkpoints/{step}"
+    deleted = await agent.http.delete(path, params={"force": "true"})
+    assert deleted.status_code == 202, deleted.text
+    deadline = time.monotonic() + 60
+    while True:
+        detail = (await agent.http.get(path)).json()
+        job = next(j for j in detail["jobs"] if j["kind"] == "delete")
+        if job["state"] in ("succeeded", "failed") or time.monotonic() > deadline:
+            return detail, job
+        await asyncio.sleep(0.1)
+
+
+async def test_deleting_small_files_lists_no_open_uploads(
+    proxy: S3FaultProxy, tmp_path: Path, s3_bucket: str, s3_client: Any
+) -> None:
+    """Files no larger than the smallest part each went up in one PUT, which
+    leaves nothing open in S3 if killed: their deletion skips the listing of
+    open uploads (a request per region and checkpoint)."""
+    regions = [s3_region("east", proxy.endpoint_url, s3_bucket, PREFIX)]
+    async with running_agent(catalog(tmp_path), tmp_path, regions) as agent:
+        ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 5 << 20, "m.json": b"{}"})
+        assert (await agent.register("r", 1, ckpt)).status_code == 202
+        assert (await agent.wait_state("r", 1))["state"] == "durable"
+        proxy.log.clear()
+        detail, job = await delete_and_wait(agent, "r", 1)
+        assert job["state"] == "succeeded", job
+        assert detail["state"] == "deleted"
+        deletes = [s for s in proxy.log if s.method == "DELETE"]
+        assert len(deletes) == 3, deletes  # the manifest, then both files
+        listed = [s for s in proxy.log if is_upload_listing(s)]
+        assert not listed, listed
+        left = s3_client.list_objects_v2(Bucket=s3_bucket, Prefix=f"{PREFIX}/r/")
+        assert left.get("KeyCount", 0) == 0, left.get("Contents")
+
+
+async def test_deleting_a_large_file_aborts_the_upload_left_open_under_it(
+    proxy: S3FaultProxy, tmp_path: Path, s3_bucket: str, s3_client: Any
+) -> None:
+    """A file larger than the smallest part may have been sent in parts: the
+    multipart upload a killed agent left open under the checkpoint is found
+    and aborted by its deletion."""
+    regions = [s3_region("east", proxy.endpoint_url, s3_bucket, PREFIX)]
+    async with running_agent(catalog(tmp_path), tmp_path, regions) as agent:
+        ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": (5 << 20) + 1})
+        assert (await agent.register("r", 1, ckpt)).status_code == 202
+        assert (await agent.wait_state("r", 1))["state"] == "durable"
+        step_prefix = f"{PREFIX}/r/step-{1:012d}/"
+        s3_client.create_multipart_upload(Bucket=s3_bucket, Key=f"{step_prefix}rank-00000/w.bin")
+        assert s3_client.list_multipart_uploads(Bucket=s3_bucket, Prefix=step_prefix).get("Uploads")
+        proxy.log.clear()
+        _detail, job = await delete_and_wait(agent, "r", 1)
+        assert job["state"] == "succeeded", job
+        assert any(is_upload_listing(s) for s in proxy.log), proxy.log
+        open_uploads = s3_client.list_multipart_uploads(Bucket=s3_bucket, Prefix=step_prefix)
+        assert not open_uploads.get("Uploads"), open_uploads["Uploads"]
+
+
 async def test_a_store_refusing_to_list_uploads_does_not_block_deletion(
     proxy: S3FaultProxy, tmp_path: Path, s3_bucket: str, s3_client: Any
 ) -> None:
@@ -130,23 +199,14 @@ async def test_a_store_refusing_to_list_uploads_does_not_block_deletion(
     completes instead of retrying for ever (storage/leftovers.py)."""
     regions = [s3_region("east", proxy.endpoint_url, s3_bucket, PREFIX)]
     async with running_agent(catalog(tmp_path), tmp_path, regions) as agent:
-        ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 4096})
+        # Larger than the smallest part: it may have been sent in parts, so
+        # its deletion looks for open uploads.
+        ckpt = write_checkpoint(agent.ssd / "s1", {"w.bin": 6 << 20})
         assert (await agent.register("r", 1, ckpt)).status_code == 202
         assert (await agent.wait_state("r", 1))["state"] == "durable"
 
-        def lists_uploads(request: Any) -> bool:
-            return request.method == "GET" and "uploads" in request.query
-
         proxy.fail(403, "AccessDenied", only=lists_uploads)
-        deleted = await agent.http.delete("/v1/runs/r/checkpoints/1", params={"force": "true"})
-        assert deleted.status_code == 202, deleted.text
-        deadline = time.monotonic() + 60
-        while True:
-            detail = (await agent.http.get("/v1/runs/r/checkpoints/1")).json()
-            job = next(j for j in detail["jobs"] if j["kind"] == "delete")
-            if job["state"] in ("succeeded", "failed") or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.1)
+        detail, job = await delete_and_wait(agent, "r", 1)
         assert job["state"] == "succeeded", job
         assert detail["state"] == "deleted"
         refused = proxy.faults()
