@@ -31,3 +31,23 @@ def self_cpu_seconds() -> float:
     """CPU seconds of this process, all threads (boto3's transfer threads included)."""
     times = os.times()
     return times.user + times.system
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` (the agent's worker process, when it has one)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        return [int(p) for p in children.read_text().split()]
+    except OSError:
+        return []
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid` and of its direct children now running."""
+    total = cpu_seconds(pid)
+    for child in child_pids(pid):
+        try:
+            total += cpu_seconds(child)
+        except OSError:
+            continue  # exited meanwhile
+    return total

@@ -32,6 +32,7 @@ from . import (
     trainer_stall,
     two_regions,
     upload,
+    worker_cost,
 )
 
 SCENARIOS: list[ModuleType] = [
@@ -45,6 +46,7 @@ SCENARIOS: list[ModuleType] = [
     trainer_stall,
     catalog_latest,
     catalog_work,
+    worker_cost,
     dedup,
     memory,
     dcp_plugin,

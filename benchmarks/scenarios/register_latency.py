@@ -74,6 +74,7 @@ from ..context import Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
 from ..stats import percentile, ratios, row
 from ..tmpfs_store import tmpfs_seaweed
+from ..worker_queue import busy_jobs
 
 # The agent's phases of a registration, as its request log names them.
 PHASES = ("scan", "record", "queued", "gate", "lock", "write", "commit", "sync")
@@ -578,6 +579,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                             load.start()
                             load.wait_steady()  # uploads, commits and replication under way
                         for rep in range(reps):
+                            backlog = {"start": float(busy_jobs(agent.url))}
                             with _Floor(ctx.work / name) as floor, _ClientCollections() as gcs:
                                 samples = _timed(
                                     agent, ctx.ssd / name / f"rep{rep}", f"bench-tiny-{rep}", count
@@ -596,6 +598,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                     else {}
                                 )
                             samples.update({f"segment_{k}": v for k, v in staged.items()})
+                            backlog["paced"] = float(busy_jobs(agent.url))
                             if mode != "idle":
                                 # The same two paths, paced, under the same load.
                                 paced = _timed(
@@ -616,6 +619,8 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                 samples.update(
                                     {f"paced_segment_{k}": v for k, v in paced_staged.items()}
                                 )
+                            backlog["end"] = float(busy_jobs(agent.url))
+                            samples.update({f"backlog_{k}": [v] for k, v in backlog.items()})
                             samples["fsync"], samples["wake"] = floor.fsync, floor.wake
                             samples["client_gc"] = gcs.ms
                             per_mode[mode].append(samples)
@@ -641,6 +646,9 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                     if samples.get("paced_register")
                                     else ""
                                 )
+                                + "; worker backlog (queued + running jobs) at the round's "
+                                f"start / paced streams' start / end: {backlog['start']:.0f} / "
+                                f"{backlog['paced']:.0f} / {backlog['end']:.0f}"
                             )
                     finally:
                         if load is not None:
@@ -750,6 +758,22 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                             values,
                         )
                     )
+    for catalog_name, per_mode in results.items():
+        for at, when in (
+            ("start", "at the round's start"),
+            ("paced", "when the paced streams start"),
+            ("end", "at the round's end"),
+        ):
+            values = [s[f"backlog_{at}"][0] for s in per_mode["load"] if s.get(f"backlog_{at}")]
+            if values:
+                rows.append(
+                    row(
+                        f"{catalog_name} worker backlog under load {when}",
+                        "queued + running jobs",
+                        "count",
+                        values,
+                    )
+                )
     for catalog_name, per_mode in results.items():
         for mode in ("load", "idle"):
             rounds = [s.get("client_gc", []) for s in per_mode[mode]]
