@@ -51,3 +51,18 @@ def tree_cpu_seconds(pid: int) -> float:
         except OSError:
             continue  # exited meanwhile
     return total
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, all) ticks of the machine's CPUs so far (/proc/stat's cpu line):
+    steal is the time a virtual machine's CPUs were ready to run and the
+    hypervisor ran something else."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(f) for f in fields[:8]]  # guest time is already in user
+    return ticks[7], sum(ticks)
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the CPUs' time stolen between two ``cpu_ticks`` readings."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0

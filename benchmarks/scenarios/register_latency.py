@@ -39,10 +39,15 @@ in the agent's inbox after one lock-free read of the catalog (``register_ack
 answer, or at its commit (``"committed"``, the default on PostgreSQL); each
 catalog is also measured the other way, under the same load.
 
-Each loaded round also times both paths paced, one call every
-``PACE_SECONDS`` instead of back to back, so that the background work they
-meet is mostly the load's uploads rather than the timed streams' own tiny
-checkpoints (paced is the harder of the two: see benchmarks/README.md).
+The back-to-back streams leave the worker far more than it can do: each
+round registers about 600 tiny checkpoints as fast as the client can, and
+each costs the agent 130-145 ms of CPU from register to deletion
+(`worker_cost`), so the worker's backlog (queued + running jobs, recorded
+at each round's start and end) grows by hundreds of jobs a round: a stress
+form, in which the registrations meet the worker's whole backlog. The paced
+streams meet the load's own work instead: on an agent of their own with the
+same load, the same two paths, one call every ``PACE_SECONDS``, a rate the
+worker keeps up with.
 
 **Idle, by size**: 1 MB against a sparse 10 GiB file, on an agent whose
 worker is off. Register only lists the files (size, mtime) and writes
@@ -72,6 +77,7 @@ from tierckpt.client._files import fsync_file
 
 from ..context import Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
+from ..procstat import cpu_ticks, steal_share
 from ..stats import percentile, ratios, row
 from ..tmpfs_store import tmpfs_seaweed
 from ..worker_queue import busy_jobs
@@ -94,17 +100,21 @@ LOAD_FILE_BYTES = 8 * MiB
 TARGET_P99_MS = 10.0
 # An orchestrator's poll of `latest`, apart from the register stream.
 POLL_SECONDS = 0.01
-# The paced streams: a registration every PACE_SECONDS (20 a second, more
-# than a node's ranks send even with a checkpoint every few seconds), so the
-# background work is mostly the load's uploads rather than the timed
-# stream's own tiny checkpoints, registered back to back.
-PACE_SECONDS = 0.05
+# The paced streams: a registration every PACE_SECONDS (4 a second: a node's
+# trainers register a few checkpoints a second at most), on an agent of
+# their own, so that the background work they meet is the load's. Each
+# tiny checkpoint costs the agent about 130-145 ms of CPU from register to
+# deletion with this configuration (`worker_cost`): the worker keeps up with
+# 4 a second on one core, not with 20 (the pace here before, which met a
+# backlog of thousands of jobs left by the back-to-back streams).
+PACE_SECONDS = 0.25
 # idle: worker off; load: the worker in its own process (worker_process.py);
 # load-other: the same load, registrations answered the other way ([catalog]
 # register_ack: "committed" on SQLite, "recorded" on PostgreSQL, where "auto",
-# the default, picks the other). (The worker in the agent's process, compared
-# here before, is in the README.)
-MODES = ("idle", "load", "load-other")
+# the default, picks the other); paced: the same load on an agent of its own,
+# the timed calls paced. (The worker in the agent's process, compared here
+# before, is in the README.)
+MODES = ("idle", "load", "load-other", "paced")
 OTHER_ACK = {"SQLite": "committed", "PostgreSQL": "recorded"}
 
 
@@ -547,9 +557,66 @@ def _catalogs() -> list[str]:
     return ["SQLite", "PostgreSQL"] if pg.postgres_available() else ["SQLite"]
 
 
+def _round(
+    agent: Agent, work: Path, base: Path, rep: int, count: int, mode: str
+) -> dict[str, list[float]]:
+    """One round of the back-to-back streams: register + `latest`, the polls,
+    and (with the worker on) memory-segment saves; the machine's floor meanwhile."""
+    with _Floor(work / base.name) as floor, _ClientCollections() as gcs:
+        samples = _timed(agent, base / f"rep{rep}", f"bench-tiny-{rep}", count)
+        samples.update(_timed_polls(agent, f"bench-tiny-{rep}", count))
+        # The memory tier needs the worker (it persists the segments): not
+        # in the idle mode.
+        if mode != "idle":
+            staged = _timed_staged(agent, base / f"staged{rep}", f"bench-staged-{rep}", count)
+            samples.update({f"segment_{k}": v for k, v in staged.items()})
+    samples["fsync"], samples["wake"] = floor.fsync, floor.wake
+    samples["client_gc"] = gcs.ms
+    return samples
+
+
+def _paced_round(agent: Agent, base: Path, rep: int, count: int) -> dict[str, list[float]]:
+    """One round of the paced streams: register + `latest` of files on T0,
+    then memory-segment saves, one every PACE_SECONDS."""
+    paced = _timed(agent, base / f"paced{rep}", f"bench-paced-{rep}", count, PACE_SECONDS)
+    staged = _timed_staged(
+        agent, base / f"paced-staged{rep}", f"bench-paced-staged-{rep}", count, PACE_SECONDS
+    )
+    return {
+        **{f"paced_{k}": v for k, v in paced.items()},
+        **{f"paced_segment_{k}": v for k, v in staged.items()},
+    }
+
+
+def _round_line(catalog: str, mode: str, rep: int, reps: int, samples: dict[str, Any]) -> str:
+    def p99(key: str) -> str:
+        return f"{percentile(samples[key], 99):.1f} ms"
+
+    head = f"register latency {catalog} {mode} rep {rep + 1}/{reps}: "
+    backlog = (
+        "; worker backlog (queued + running jobs) at the round's start / end: "
+        f"{samples['backlog_start'][0]:.0f} / {samples['backlog_end'][0]:.0f}; "
+        f"CPU steal {samples['steal'][0]:.1f} %"
+    )
+    if mode == "paced":
+        return (
+            f"{head}register p99 {p99('paced_register')}, latest p99 {p99('paced_latest')}, "
+            f"memory segment register p99 {p99('paced_segment_stage')}{backlog}"
+        )
+    line = (
+        f"{head}p50 {percentile(samples['register'], 50):.1f} ms, p99 {p99('register')}, "
+        f"max {max(samples['register']):.1f} ms; latest p99 {p99('latest')} (polled: "
+        f"{p99('latest_polled')}); fsync p99 "
+        f"{percentile(samples['fsync'] or [0.0], 99):.1f} ms"
+    )
+    if samples.get("segment_stage"):
+        line += f"; memory segment register p99 {p99('segment_stage')}"
+    return line + backlog
+
+
 def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
     count = 100 if ctx.quick else 300
-    paced_count = 30 if ctx.quick else 200
+    paced_count = 30 if ctx.quick else 100
     reps = max(1, min(ctx.reps, 2 if ctx.quick else 3))
     results: dict[str, dict[str, list[dict[str, list[float]]]]] = {}
     load_totals: dict[str, Any] = {}
@@ -580,76 +647,16 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                             load.wait_steady()  # uploads, commits and replication under way
                         for rep in range(reps):
                             backlog = {"start": float(busy_jobs(agent.url))}
-                            with _Floor(ctx.work / name) as floor, _ClientCollections() as gcs:
-                                samples = _timed(
-                                    agent, ctx.ssd / name / f"rep{rep}", f"bench-tiny-{rep}", count
-                                )
-                                samples.update(_timed_polls(agent, f"bench-tiny-{rep}", count))
-                                # The memory tier needs the worker (it persists
-                                # the segments): not in the idle mode.
-                                staged = (
-                                    _timed_staged(
-                                        agent,
-                                        ctx.ssd / name / f"staged{rep}",
-                                        f"bench-staged-{rep}",
-                                        count,
-                                    )
-                                    if mode != "idle"
-                                    else {}
-                                )
-                            samples.update({f"segment_{k}": v for k, v in staged.items()})
-                            backlog["paced"] = float(busy_jobs(agent.url))
-                            if mode != "idle":
-                                # The same two paths, paced, under the same load.
-                                paced = _timed(
-                                    agent,
-                                    ctx.ssd / name / f"paced{rep}",
-                                    f"bench-paced-{rep}",
-                                    paced_count,
-                                    PACE_SECONDS,
-                                )
-                                paced_staged = _timed_staged(
-                                    agent,
-                                    ctx.ssd / name / f"paced-staged{rep}",
-                                    f"bench-paced-staged-{rep}",
-                                    paced_count,
-                                    PACE_SECONDS,
-                                )
-                                samples.update({f"paced_{k}": v for k, v in paced.items()})
-                                samples.update(
-                                    {f"paced_segment_{k}": v for k, v in paced_staged.items()}
-                                )
+                            ticks = cpu_ticks()
+                            if mode == "paced":
+                                samples = _paced_round(agent, ctx.ssd / name, rep, paced_count)
+                            else:
+                                samples = _round(agent, ctx.work, ctx.ssd / name, rep, count, mode)
+                            samples["steal"] = [100 * steal_share(ticks, cpu_ticks())]
                             backlog["end"] = float(busy_jobs(agent.url))
                             samples.update({f"backlog_{k}": [v] for k, v in backlog.items()})
-                            samples["fsync"], samples["wake"] = floor.fsync, floor.wake
-                            samples["client_gc"] = gcs.ms
                             per_mode[mode].append(samples)
-                            log(
-                                f"register latency {catalog_name} {mode} rep {rep + 1}/{reps}: "
-                                f"p50 {percentile(samples['register'], 50):.1f} ms, p99 "
-                                f"{percentile(samples['register'], 99):.1f} ms, max "
-                                f"{max(samples['register']):.1f} ms; latest p99 "
-                                f"{percentile(samples['latest'], 99):.1f} ms (polled: "
-                                f"{percentile(samples['latest_polled'], 99):.1f} ms); fsync p99 "
-                                f"{percentile(samples['fsync'] or [0.0], 99):.1f} ms"
-                                + (
-                                    "; memory segment register p99 "
-                                    f"{percentile(samples['segment_stage'], 99):.1f} ms"
-                                    if samples.get("segment_stage")
-                                    else ""
-                                )
-                                + (
-                                    "; paced: register p99 "
-                                    f"{percentile(samples['paced_register'], 99):.1f} ms, "
-                                    "memory segment register p99 "
-                                    f"{percentile(samples['paced_segment_stage'], 99):.1f} ms"
-                                    if samples.get("paced_register")
-                                    else ""
-                                )
-                                + "; worker backlog (queued + running jobs) at the round's "
-                                f"start / paced streams' start / end: {backlog['start']:.0f} / "
-                                f"{backlog['paced']:.0f} / {backlog['end']:.0f}"
-                            )
+                            log(_round_line(catalog_name, mode, rep, reps, samples))
                     finally:
                         if load is not None:
                             load.stop()
@@ -670,6 +677,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "load": "under upload load (worker on, own process)",
         "load-other": "under upload load, the other register_ack (SQLite: committed, "
         "PostgreSQL: recorded)",
+        "paced": "under upload load (worker on, own process)",
     }
     for catalog_name, per_mode in results.items():
         for call in ("register", "latest"):
@@ -689,15 +697,14 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
             ("segment_stage", 'register of a memory segment (staging="memory")'),
         ):
             server = "segment_server_stage" if call == "segment_stage" else f"server_{call}"
-            for mode in ("load", "load-other"):
-                rows += _timed_rows(
-                    f"{catalog_name} {label}, paced: one every {PACE_SECONDS * 1000:.0f} ms, "
-                    f"{labels[mode]}",
-                    per_mode[mode],
-                    f"paced_{call}",
-                    f"paced_{server}",
-                    target=mode == "load",
-                )
+            rows += _timed_rows(
+                f"{catalog_name} {label}, paced: one every {PACE_SECONDS * 1000:.0f} ms, "
+                f"{labels['paced']}",
+                per_mode["paced"],
+                f"paced_{call}",
+                f"paced_{server}",
+                target=True,
+            )
     for catalog_name, per_mode in results.items():
         for mode in ("load", "load-other", "idle"):
             rows += _timed_rows(
@@ -759,18 +766,29 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                         )
                     )
     for catalog_name, per_mode in results.items():
-        for at, when in (
-            ("start", "at the round's start"),
-            ("paced", "when the paced streams start"),
-            ("end", "at the round's end"),
-        ):
-            values = [s[f"backlog_{at}"][0] for s in per_mode["load"] if s.get(f"backlog_{at}")]
+        for mode, streams in (("load", "back-to-back streams"), ("paced", "paced streams")):
+            for at in ("start", "end"):
+                values = [r[f"backlog_{at}"][0] for r in per_mode[mode] if r.get(f"backlog_{at}")]
+                if values:
+                    rows.append(
+                        row(
+                            f"{catalog_name} worker backlog at the {at} of a round of the "
+                            f"{streams}, {labels[mode]}",
+                            "queued + running jobs",
+                            "count",
+                            values,
+                        )
+                    )
+    for catalog_name, per_mode in results.items():
+        for mode in MODES:
+            values = [r["steal"][0] for r in per_mode[mode] if r.get("steal")]
             if values:
                 rows.append(
                     row(
-                        f"{catalog_name} worker backlog under load {when}",
-                        "queued + running jobs",
-                        "count",
+                        f"{catalog_name} machine floor, {mode} rounds: CPU steal (time the "
+                        "hypervisor gave the machine's CPUs to others)",
+                        "share",
+                        "%",
                         values,
                     )
                 )
@@ -812,14 +830,15 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "SQLite; the catalog's write and its fsync follow behind the answer), or at its "
         'commit ("committed", the default on PostgreSQL); "the other register_ack" rows '
         "measure each catalog the other way under the same load.",
-        f"paced: in each loaded round, after the streams above, {paced_count} register + "
+        f"paced: on an agent of its own under the same load, {paced_count} register + "
         f"latest of the files path, then {paced_count} memory-segment saves, one every "
         f"{PACE_SECONDS * 1000:.0f} ms (start to start) instead of back to back: a node's "
-        "trainers register a few checkpoints a second at most, so here the background work "
-        "the registrations meet is mostly the load's uploads, commits, replication, "
-        "scrubbing and retention rather than the timed stream's own hundreds of tiny "
-        "checkpoints, as in the back-to-back rows (a stress form: the agent, its worker "
-        "and the store then keep both cores busy with the timed client's own work).",
+        "trainers register a few checkpoints a second at most, so the background work the "
+        "registrations meet is the load's uploads, commits, replication, scrubbing and "
+        "retention. The back-to-back rows are a stress form: their hundreds of tiny "
+        "checkpoints a round leave the worker a backlog that grows from round to round "
+        "(the worker backlog rows), and the agent, its worker and the store keep both cores "
+        "busy with the timed client's own work.",
         "`agent's own`: the median over rounds of the agent's request-log duration for the "
         "same requests (the rest of the client figure is HTTP and the client's own scan).",
         "agent's phases (its request log, each phase's own percentile): scan (the files' "

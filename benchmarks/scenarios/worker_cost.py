@@ -49,7 +49,7 @@ IDLE_SECONDS = 8.0
 TIMEOUT = 600.0
 # After the worker's queue is empty: a retention pass (every 2 s) evicting T0.
 SETTLE_SECONDS = 5.0
-STAGES = (
+STAGES: tuple[tuple[str, dict[str, bool]], ...] = (
     ("one region", {}),
     ("two regions", {"two_regions": True}),
     ("two regions, retention deleting", {"two_regions": True, "retention": True}),
@@ -75,7 +75,7 @@ def _stage(
     regions = [s3_region("east", ctx.seaweed, prefix=f"{name}-east")]
     if two_regions:
         regions.append(s3_region("west", ctx.seaweed, prefix=f"{name}-west"))
-    overrides: dict[str, dict[str, Any]] = {}
+    overrides: dict[str, Any] = {}
     if retention:
         overrides["retention"] = {"keep_last": 4, "interval_seconds": 2.0}
         overrides["local"] = {"keep_last": 2}
@@ -125,12 +125,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     rows = []
     for index, (label, _) in enumerate(STAGES):
         agent_ms = [r["agent_ms"] for r in results[label]]
-        ratio = {}
-        if index:
-            ratio = {
-                "ratio_label": f"× {STAGES[0][0]}",
-                "ratio_values": [a / b for a, b in zip(agent_ms, base, strict=True)],
-            }
+        ratios = [a / b for a, b in zip(agent_ms, base, strict=True)] if index else None
         rows.append(
             row(
                 f"{label}: agent + its worker",
@@ -140,7 +135,8 @@ def run(ctx: BenchContext) -> dict[str, Any]:
                 note=f"{results[label][0]['count']:.0f} checkpoints of one 4 KiB file, "
                 f"worker idle after {min(r['seconds'] for r in results[label]):.0f}-"
                 f"{max(r['seconds'] for r in results[label]):.0f} s",
-                **ratio,
+                ratio_label=f"× {STAGES[0][0]}" if ratios else None,
+                ratio_values=ratios,
             )
         )
         rows.append(
