@@ -34,12 +34,16 @@ def self_cpu_seconds() -> float:
 
 
 def child_pids(pid: int) -> list[int]:
-    """The direct children of `pid` (the agent's worker process, when it has one)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    try:
-        return [int(p) for p in children.read_text().split()]
-    except OSError:
-        return []
+    """The direct children of `pid` (the agent's worker process, when it has
+    one), whichever of its threads started them: the kernel lists a child
+    under the thread that forked it."""
+    pids: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            pids += [int(p) for p in children.read_text().split()]
+        except OSError:
+            continue  # the thread ended meanwhile
+    return pids
 
 
 def tree_cpu_seconds(pid: int) -> float:

@@ -6,13 +6,14 @@ requests (the manifest, a copy into the second region, the deletions),
 retention's plan. For a large checkpoint that is lost in the per-GB cost
 (`cpu`); for small ones, many runs on one node or frequent saves, it is the
 cost, and in `register_latency` it is most of the background work the timed
-registrations meet: each round registers about a thousand 4 KiB checkpoints
-of its own.
+registrations meet: each back-to-back round registers about 600 4 KiB
+checkpoints of its own.
 
 Three agents with the SQLite catalog and otherwise their defaults (the
-worker in the agent's process), one after the other, each given ``COUNT``
-checkpoints of one 4 KiB file back to back and measured until its worker
-has nothing left to do (no queued or running job in its ``/metrics``):
+worker in a process of its own, a child of the agent), one after the other,
+each given ``COUNT`` checkpoints of one 4 KiB file back to back and measured
+until its worker has nothing left to do (no queued or running job in its
+``/metrics``):
 
 1. one region, nothing deleted: register, upload, commit;
 2. two regions (two prefixes of the benchmark's SeaweedFS): the copy into
@@ -150,8 +151,8 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     return {
         "rows": rows,
         "notes": [
-            "SQLite catalog, the agent's defaults (worker in the agent's process); CPU of "
-            "the agent, its worker process when it has one, and SeaweedFS from /proc, each "
+            "SQLite catalog, the agent's defaults (the worker in a child process); CPU of "
+            "the agent, its worker process, and SeaweedFS from /proc, each "
             "one's idle rate taken off; measured until no job is queued or running"
         ],
         "details": results,
