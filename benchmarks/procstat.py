@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -70,3 +71,30 @@ def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
     """The share of the CPUs' time stolen between two ``cpu_ticks`` readings."""
     total = after[1] - before[1]
     return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def memory_available_bytes() -> int:
+    """The machine's MemAvailable (/proc/meminfo): memory the kernel can give
+    without swapping; near zero it reclaims the page cache of every process
+    (code, libraries, the catalog) and any call may wait for a page."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == "MemAvailable":
+            return int(value.split()[0]) * 1024
+    return 0
+
+
+def confine(pid: int | None, cpus: set[int] | frozenset[int]) -> frozenset[int] | None:
+    """Every thread of ``pid`` on ``cpus`` (threads it starts later inherit
+    their creator's); the CPUs its main thread had, to give back, or None
+    when there is no such process."""
+    if pid is None:
+        return None
+    try:
+        before = frozenset(os.sched_getaffinity(pid))
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+                os.sched_setaffinity(int(task), cpus)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return before

@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,26 @@ def empty(server: SeaweedServer, bucket: str, prefix: str = "") -> int:
             client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
     if not freed:
         return 0  # nothing deleted, nothing to compact (earlier deletes were)
-    master = f"http://{server.host}:{server.ports['master']}"
-    # A deleted needle keeps its bytes until its volume is compacted.
-    httpx.get(f"{master}/vol/vacuum", params={"garbageThreshold": "0.0001"}, timeout=120)
+    vacuum(server)
     return freed
+
+
+def vacuum(server: SeaweedServer, timeout: float = 120.0) -> float:
+    """Compact the volumes: a deleted needle keeps its bytes (on a tmpfs, the
+    node's memory) until its volume is compacted. A store on other machines
+    keeps its garbage there; here it would fill the node's RAM. The seconds
+    it took."""
+    master = f"http://{server.host}:{server.ports['master']}"
+    began = time.monotonic()
+    httpx.get(f"{master}/vol/vacuum", params={"garbageThreshold": "0.0001"}, timeout=timeout)
+    return time.monotonic() - began
+
+
+def size_bytes(directory: str | Path) -> int:
+    """Bytes the files under ``directory`` occupy (the store's data on the tmpfs)."""
+    total = 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed meanwhile
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total

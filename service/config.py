@@ -20,10 +20,11 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel as _PydanticModel
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .names import NAME_CHARS, is_region_name
+from .settings_base import BaseModel
+from .worker_settings import WorkerSettings
 
 DEFAULT_HOME = Path(".tierckpt")
 
@@ -32,11 +33,6 @@ DEFAULT_HOME = Path(".tierckpt")
 ENV_PREFIX = "TIERCKPT_"
 ENV_SEPARATOR = "__"
 FILE_ONLY_SECTIONS = ("regions", "tokens")
-
-
-class BaseModel(_PydanticModel):
-    # A misspelt key must fail loudly, not be ignored: the agent guards data.
-    model_config = ConfigDict(extra="forbid")
 
 
 class ConfigError(ValueError):
@@ -308,63 +304,6 @@ class UploadSettings(BaseModel):
     """Upload a single-shard checkpoint from T0 to every region at once rather
     than primary first, then replicate: register → replicated then takes
     about as long as register → durable (the regions fill in parallel)."""
-
-
-class WorkerSettings(BaseModel):
-    """The background worker that runs jobs (upload, replicate, verify, delete)."""
-
-    enabled: bool = True
-    """Run jobs in this agent; false: it only serves the API."""
-    separate_process: Literal["auto", "yes", "no"] = "auto"
-    """Whether `tierckpt serve` runs the worker and the periodic passes
-    (scrub, retention) in a child process of the agent, with its own event
-    loop and GIL, so the Python of uploads, replication and verification
-    does not delay a registration or a `latest`. The child dies with the
-    agent. `auto` (the default) means yes, with either catalog: on SQLite
-    the two processes share the one write lock, which each transaction
-    holds only for its statements (the commit's fsync comes after it);
-    benchmarks/README.md has the figures. `no`: in the agent's process."""
-    process_nice: int = Field(10, ge=0, le=19)
-    """Niceness added to the worker process (`nice`): when the agent and its
-    worker both want a CPU, the agent's requests get it first. Uploads still
-    get every CPU the requests leave idle. While the worker holds SQLite's
-    write lock, the holding thread takes the agent's niceness back (a
-    registration waiting for the lock would otherwise wait for a niced
-    thread to be scheduled); that needs CAP_SYS_NICE, and without it the log
-    says so once. 0: equal shares."""
-    concurrency: int = Field(4, ge=1, le=64)
-    """Jobs run at once."""
-    poll_interval: float = Field(0.5, gt=0)
-    """Seconds between claims when the queue is empty (new work also wakes the worker)."""
-    lease_seconds: float = Field(30.0, ge=1)
-    """A claimed job's lease, extended while it runs; a job whose lease expires
-    (its agent died) is claimed again by any agent."""
-    max_attempts: int = Field(10, ge=1)
-    """Attempts of an upload job before its shard is failed; the other job
-    kinds have their own retry policy."""
-    backoff_base: float = Field(1.0, gt=0)
-    """First retry delay in seconds, doubling with each attempt (full jitter)."""
-    backoff_max: float = Field(300.0, gt=0)
-    """Longest retry delay in seconds."""
-    shutdown_timeout: float = Field(10.0, ge=0)
-    """At shutdown, seconds running jobs get to finish before they are given
-    back to the queue (after a drain: at most what is left of it)."""
-    drain_seconds: float = Field(25.0, ge=0, le=3600)
-    """On SIGTERM (a preempted node), seconds the agent keeps serving and
-    keeps running its own node's work (urgent first) before it exits: the
-    trainer's urgent checkpoint, saved in that moment, is uploaded before the
-    node goes. New normal registrations get 503 `draining`; urgent ones are
-    still accepted. Keep it below the orchestrator's kill deadline with a few
-    seconds to spare (Kubernetes `terminationGracePeriodSeconds`, 30 by
-    default; Docker `stop_grace_period`; Slurm `KillWait`, 30 by default).
-    0: no drain, stop claiming at once. A second SIGTERM or SIGINT ends a
-    drain at once."""
-    drain_linger_seconds: float = Field(5.0, ge=0)
-    """A drain lasts at least this long after SIGTERM, and after the last
-    registration it accepted, even once its node's work is done: the trainer,
-    signalled at the same moment, may still be writing its urgent checkpoint.
-    It should cover the trainer's save (write + register); each registration
-    accepted restarts it. Never beyond `drain_seconds`."""
 
 
 class ScrubSettings(BaseModel):

@@ -25,7 +25,7 @@ from typing import Any
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from . import config
+from . import config, worker_settings
 from .config import (
     ENV_PREFIX,
     ENV_SEPARATOR,
@@ -35,6 +35,10 @@ from .config import (
     default_memory_bytes,
     default_memory_dir,
 )
+
+# The modules whose models are settings sections (config.py holds or imports
+# them all).
+SETTINGS_MODULES = (config.__name__, worker_settings.__name__)
 
 # One text per validator, keyed by (model, validator function).
 REFUSALS: dict[tuple[str, str], list[str]] = {
@@ -56,6 +60,15 @@ REFUSALS: dict[tuple[str, str], list[str]] = {
     ],
     ("TokenSettings", "_hex_digest"): [
         "A token's `sha256` must be 64 hexadecimal digits (the SHA-256 of the token).",
+    ],
+    ("WorkerSettings", "_cpu_list"): [
+        "`worker.cpus` must be a CPU list such as `2`, `2-5` or `0,2,4-7` "
+        "(numbers up to 65535, ranges that do not end before they start); "
+        "a number or an array of numbers is read as the list it spells.",
+    ],
+    ("WorkerSettings", "_cpus_need_a_process"): [
+        "`worker.cpus` only with `worker.separate_process` `auto` or `yes` "
+        "(it confines the worker's own process).",
     ],
     ("Settings", "_safe_combinations"): [
         "At least one `[[regions]]` entry, and region names unique.",
@@ -85,7 +98,7 @@ DESCRIBED_DEFAULTS: dict[Callable[[], Any], str] = {
 HEADER = f"""\
 # Configuration
 
-<!-- Generated from service/config.py by
+<!-- Generated from service/config.py and service/worker_settings.py by
      `python -m tierckpt.service.config_reference > docs/configuration.md`
      (or `make docs`); tests/unit/test_config_reference.py fails when it is out of date. -->
 
@@ -153,7 +166,7 @@ def attribute_docs(model: type[BaseModel]) -> dict[str, str]:
     for cls in reversed(model.__mro__):
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls is BaseModel:
             continue
-        if cls.__module__ != config.__name__:
+        if cls.__module__ not in SETTINGS_MODULES:
             continue
         (tree,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
         assert isinstance(tree, ast.ClassDef)
@@ -300,12 +313,12 @@ def undocumented() -> list[str]:
 
 
 def validators() -> list[tuple[str, str]]:
-    """(model, function) of every validator defined in service.config."""
+    """(model, function) of every validator defined in the settings modules."""
     found = []
     for owner in vars(config).values():
         if not (isinstance(owner, type) and issubclass(owner, BaseModel)):
             continue
-        if owner.__module__ != config.__name__:
+        if owner.__module__ not in SETTINGS_MODULES:
             continue
         decorators = owner.__pydantic_decorators__
         for name in [*decorators.field_validators, *decorators.model_validators]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from . import cpu_affinity
 from .config import ConfigError, Settings, load_settings
 
 if TYPE_CHECKING:
@@ -19,6 +21,17 @@ def _settings_or_exit(config_path: str | None) -> Settings:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
+
+
+def check_machine(settings: Settings) -> None:
+    """What the configuration asks of this machine, refused before serving."""
+    cpus = settings.worker.cpu_set
+    if cpus and hasattr(os, "sched_getaffinity"):
+        try:
+            cpu_affinity.usable(cpus)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from exc
 
 
 def migrate(config_path: str | None = None) -> None:
@@ -40,6 +53,7 @@ def serve(config_path: str | None = None) -> None:
     # Before any part buffer exists: bounded parts must mean bounded RSS.
     return_large_buffers_to_os()
     settings = _settings_or_exit(config_path)
+    check_machine(settings)
     # JSON lines (with request and job context) unless a person is watching.
     configure_logging(settings.server.log_format)
     upgrade(settings.catalog.url)

@@ -54,7 +54,7 @@ import subprocess
 import sys
 from typing import Any
 
-from . import lock_holder
+from . import cpu_affinity, lock_holder
 from .config import Settings
 from .write_gate import share_urgent_flag, urgent_flag_raised_by_agent
 
@@ -350,6 +350,7 @@ def main(argv: list[str]) -> int:
         agent_nice = os.nice(0)
         worker_nice = os.nice(settings.worker.process_nice)
         lock_holder.inherit_priority(agent_nice, worker_nice)
+    cpu_affinity.confine_process(settings.worker.cpu_set, "the worker process")
     sock.setblocking(False)
     try:
         import uvloop

@@ -77,9 +77,9 @@ from tierckpt.client._files import fsync_file
 
 from ..context import Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
-from ..procstat import cpu_ticks, steal_share
+from ..procstat import confine, cpu_ticks, memory_available_bytes, steal_share
 from ..stats import percentile, ratios, row
-from ..tmpfs_store import tmpfs_seaweed
+from ..tmpfs_store import size_bytes, tmpfs_seaweed, vacuum
 from ..worker_queue import busy_jobs
 
 # The agent's phases of a registration, as its request log names them.
@@ -108,13 +108,19 @@ POLL_SECONDS = 0.01
 # 4 a second on one core, not with 20 (the pace here before, which met a
 # backlog of thousands of jobs left by the back-to-back streams).
 PACE_SECONDS = 0.25
+# The CPU the paced-confined mode leaves to the background work: the last.
+BACKGROUND_CPU = max(os.sched_getaffinity(0))
 # idle: worker off; load: the worker in its own process (worker_process.py);
 # load-other: the same load, registrations answered the other way ([catalog]
 # register_ack: "committed" on SQLite, "recorded" on PostgreSQL, where "auto",
 # the default, picks the other); paced: the same load on an agent of its own,
-# the timed calls paced. (The worker in the agent's process, compared here
-# before, is in the README.)
-MODES = ("idle", "load", "load-other", "paced")
+# the timed calls paced; paced-confined: the same, with the background work
+# confined to one CPU (the agent's `[worker] cpus`, and the store, which
+# stands for one on other machines), the other left to the agent's requests,
+# the trainers and the catalog. (The worker in the agent's process, compared
+# here before, is in the README.)
+MODES = ("idle", "load", "load-other", "paced", "paced-confined")
+PACED_MODES = ("paced", "paced-confined")
 OTHER_ACK = {"SQLite": "committed", "PostgreSQL": "recorded"}
 
 
@@ -142,6 +148,7 @@ def _loaded_agent(
     *,
     worker: bool,
     register_ack: str = "auto",
+    worker_cpus: str = "",
 ) -> Agent:
     east = s3_region("east", store)
     west = {**s3_region("west", store), "bucket": "bench-west"}
@@ -165,7 +172,8 @@ def _loaded_agent(
         name,
         worker=worker,
         regions=[east, west],
-        worker_settings={"separate_process": "yes"},  # the default
+        # The worker in its own process: the default.
+        worker_settings={"separate_process": "yes", "cpus": worker_cpus},
         **sections,
     )
 
@@ -588,6 +596,19 @@ def _paced_round(agent: Agent, base: Path, rep: int, count: int) -> dict[str, li
     }
 
 
+def _compact(store: SeaweedServer) -> None:
+    """The garbage of the load's deleted checkpoints compacted away: on a
+    tmpfs it is the node's memory, where a remote store's is not. After each
+    mode (its agent stopped), and between the rounds of the paced modes,
+    whose uploads leave about 9 GiB a round; not between the back-to-back
+    rounds, whose load leaves about 1 GiB and whose backlog keeps writing:
+    a compaction there can outlast its timeout. Logged, never fatal."""
+    try:
+        log(f"register latency: the store compacted in {vacuum(store, timeout=600.0):.1f} s")
+    except httpx.HTTPError as exc:
+        log(f"register latency: the store's compaction failed ({exc!r}); rounds go on")
+
+
 def _round_line(catalog: str, mode: str, rep: int, reps: int, samples: dict[str, Any]) -> str:
     def p99(key: str) -> str:
         return f"{percentile(samples[key], 99):.1f} ms"
@@ -596,9 +617,11 @@ def _round_line(catalog: str, mode: str, rep: int, reps: int, samples: dict[str,
     backlog = (
         "; worker backlog (queued + running jobs) at the round's start / end: "
         f"{samples['backlog_start'][0]:.0f} / {samples['backlog_end'][0]:.0f}; "
-        f"CPU steal {samples['steal'][0]:.1f} %"
+        f"CPU steal {samples['steal'][0]:.1f} %; memory available at the start / end "
+        f"{samples['memory_start'][0] / 2**30:.1f} / {samples['memory_end'][0] / 2**30:.1f} GiB, "
+        f"the store's tmpfs {samples['store_bytes'][0] / 2**30:.1f} GiB"
     )
-    if mode == "paced":
+    if mode in PACED_MODES:
         return (
             f"{head}register p99 {p99('paced_register')}, latest p99 {p99('paced_latest')}, "
             f"memory segment register p99 {p99('paced_segment_stage')}{backlog}"
@@ -631,6 +654,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                         url = pg.create_temp_database(pg.postgres_admin_url())
                         databases.append(url)
                     name = f"lat-{catalog_name.lower()}-{mode}"
+                    confined = mode == "paced-confined"
                     agent = _loaded_agent(
                         ctx,
                         name,
@@ -638,26 +662,36 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                         url,
                         worker=mode != "idle",
                         register_ack=OTHER_ACK[catalog_name] if mode == "load-other" else "auto",
+                        worker_cpus=str(BACKGROUND_CPU) if confined else "",
                     )
                     load: _Load | None = None
+                    store_cpus = confine(store.pid, {BACKGROUND_CPU}) if confined else None
                     try:
                         if mode != "idle":
                             load = _Load(agent.url, ctx.ssd / name / "load", "bench-load")
                             load.start()
                             load.wait_steady()  # uploads, commits and replication under way
                         for rep in range(reps):
+                            if rep and mode in PACED_MODES:
+                                _compact(store)
                             backlog = {"start": float(busy_jobs(agent.url))}
+                            memory = {"start": memory_available_bytes()}
                             ticks = cpu_ticks()
-                            if mode == "paced":
+                            if mode in PACED_MODES:
                                 samples = _paced_round(agent, ctx.ssd / name, rep, paced_count)
                             else:
                                 samples = _round(agent, ctx.work, ctx.ssd / name, rep, count, mode)
                             samples["steal"] = [100 * steal_share(ticks, cpu_ticks())]
                             backlog["end"] = float(busy_jobs(agent.url))
+                            memory["end"] = memory_available_bytes()
                             samples.update({f"backlog_{k}": [v] for k, v in backlog.items()})
+                            samples.update({f"memory_{k}": [v] for k, v in memory.items()})
+                            samples["store_bytes"] = [size_bytes(store.data_dir)]
                             per_mode[mode].append(samples)
                             log(_round_line(catalog_name, mode, rep, reps, samples))
                     finally:
+                        if store_cpus is not None:
+                            confine(store.pid, store_cpus)
                         if load is not None:
                             load.stop()
                             load_totals[f"{catalog_name} {mode}"] = {
@@ -666,6 +700,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                 "load_errors": load.errors[:10],
                             }
                         ctx.stop_agent(agent)
+                        _compact(store)
                 results[catalog_name] = per_mode
             finally:
                 for url in databases:
@@ -678,6 +713,8 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "load-other": "under upload load, the other register_ack (SQLite: committed, "
         "PostgreSQL: recorded)",
         "paced": "under upload load (worker on, own process)",
+        "paced-confined": "under upload load, the background confined to one CPU (the "
+        "worker and the memory tier's T0 writer by [worker] cpus, the store by its affinity)",
     }
     for catalog_name, per_mode in results.items():
         for call in ("register", "latest"):
@@ -697,13 +734,28 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
             ("segment_stage", 'register of a memory segment (staging="memory")'),
         ):
             server = "segment_server_stage" if call == "segment_stage" else f"server_{call}"
-            rows += _timed_rows(
-                f"{catalog_name} {label}, paced: one every {PACE_SECONDS * 1000:.0f} ms, "
-                f"{labels['paced']}",
-                per_mode["paced"],
-                f"paced_{call}",
-                f"paced_{server}",
-                target=True,
+            for mode in PACED_MODES:
+                rows += _timed_rows(
+                    f"{catalog_name} {label}, paced: one every {PACE_SECONDS * 1000:.0f} ms, "
+                    f"{labels[mode]}",
+                    per_mode[mode],
+                    f"paced_{call}",
+                    f"paced_{server}",
+                    target=True,
+                )
+            shared_p99, confined_p99 = (
+                percentile([percentile(r[f"paced_{call}"], 99) for r in per_mode[m]], 50)
+                for m in PACED_MODES
+            )
+            rows.append(
+                row(
+                    f"{catalog_name} {label}, paced, background confined to one CPU against "
+                    "sharing both",
+                    "p99 ratio",
+                    "×",
+                    [confined_p99 / shared_p99],
+                    note="below 1: confining helps",
+                )
             )
     for catalog_name, per_mode in results.items():
         for mode in ("load", "load-other", "idle"):
@@ -766,7 +818,11 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                         )
                     )
     for catalog_name, per_mode in results.items():
-        for mode, streams in (("load", "back-to-back streams"), ("paced", "paced streams")):
+        for mode, streams in (
+            ("load", "back-to-back streams"),
+            ("paced", "paced streams"),
+            ("paced-confined", "paced streams"),
+        ):
             for at in ("start", "end"):
                 values = [r[f"backlog_{at}"][0] for r in per_mode[mode] if r.get(f"backlog_{at}")]
                 if values:
@@ -839,6 +895,17 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "checkpoints a round leave the worker a backlog that grows from round to round "
         "(the worker backlog rows), and the agent, its worker and the store keep both cores "
         "busy with the timed client's own work.",
+        f"paced, background confined: the same on an agent with [worker] cpus = "
+        f'"{BACKGROUND_CPU}" (its worker process and the memory tier\'s T0 writer on that '
+        "CPU) and the store's threads moved there for the mode (it stands for a store on "
+        "other machines, which takes no CPU of the node); the agent's requests, the timed "
+        "client, the load's trainer process and PostgreSQL run on any CPU. A configuration "
+        "users choose (leave the trainer's cores out of [worker] cpus), labelled apart; the "
+        "ratio rows put its p99 against the shared mode's.",
+        "the store's volumes are compacted after each mode and between paced rounds: the "
+        "load's deleted checkpoints stay in SeaweedFS's volumes (on the tmpfs: the node's "
+        "memory) until then, about 9 GiB a paced round; each round line gives the memory "
+        "available at its start and end and the tmpfs the store occupied.",
         "`agent's own`: the median over rounds of the agent's request-log duration for the "
         "same requests (the rest of the client figure is HTTP and the client's own scan).",
         "agent's phases (its request log, each phase's own percentile): scan (the files' "

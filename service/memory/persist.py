@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ...client._files import fsync_dir
+from .. import cpu_affinity
 from ..checkpoints.batching import RegistrationBatcher
 from ..checkpoints.scan import ScannedFile, ScannedShard, root_of
 from ..checkpoints.schemas import RegisterRequest
@@ -160,11 +161,16 @@ def scan_segment(segment: Segment, target: Path) -> ScannedShard:
     return ScannedShard(directory=target, files=files)
 
 
-def _lower_priority(niceness: int) -> None:
+def _background_thread(niceness: int, cpus: frozenset[int]) -> None:
     """Run by the T0 writer thread as it starts: Linux schedules threads one
     by one, so this thread alone yields the CPU (its kernel copies are
     charged to it) while the upload of the same checkpoint, the copy that
-    makes it durable, hashes and sends."""
+    makes it durable, hashes and sends; and it runs on the background CPUs
+    (``[worker] cpus``) with the worker, away from the agent's requests."""
+    try:
+        cpu_affinity.confine_thread(cpus, "the memory tier's T0 writer")
+    except ValueError as exc:  # `tierckpt serve` refuses this before it starts
+        log.warning("the T0 writer thread runs on any CPU: %s", exc)
     if niceness <= 0:
         return
     try:
@@ -185,12 +191,14 @@ class SegmentPersister:
         arena: Arena,
         keep_newest: bool,
         persist_nice: int = 0,
+        cpus: frozenset[int] = frozenset(),
     ) -> None:
         self.resources = resources
         self.registrations = registrations
         self.arena = arena
         self.keep_newest = keep_newest
         self.persist_nice = persist_nice
+        self.cpus = cpus
         self._writer: ThreadPoolExecutor | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -201,12 +209,12 @@ class SegmentPersister:
         self._wake.set()
 
     def start(self) -> asyncio.Task[None]:
-        # One segment at a time, on a thread of its own (see _lower_priority).
+        # One segment at a time, on a thread of its own (see _background_thread).
         self._writer = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="memory-t0-writer",
-            initializer=_lower_priority,
-            initargs=(self.persist_nice,),
+            initializer=_background_thread,
+            initargs=(self.persist_nice, self.cpus),
         )
         self._task = asyncio.create_task(self._run(), name="memory-persist")
         return self._task

@@ -91,6 +91,7 @@ class MemoryTier:
             self.arena,
             settings.memory.keep_newest,
             settings.memory.persist_nice,
+            settings.worker.cpu_set,
         )
 
     def open(self) -> None:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from pathlib import Path
+
+import pytest
 
 from devsupport.agent import Agent, running_agent, write_checkpoint
 from tests.integration.test_agent_supervision import unhealthy
+from tests.integration.test_memory_tier import stage
 from tierckpt.service.worker_process import WorkerChild
 
 # "auto" runs it with either catalog; "yes" says so where a test depends on it.
@@ -100,3 +104,44 @@ async def test_a_killed_worker_process_fails_the_liveness_probe(
         # Registrations are still written (a restart is the orchestrator's call).
         source = write_checkpoint(agent.ssd / "step-1", {"model.bin": b"x"})
         assert (await agent.register("orphan-run", 1, source)).status_code == 202
+
+
+def _threads_cpus(pid: int) -> dict[int, str]:
+    """Each thread of ``pid`` and the CPUs it may run on (kernel list format)."""
+    out: dict[int, str] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                out[int(task.name)] = line.split(":", 1)[1].strip()
+    return out
+
+
+async def test_worker_cpus_confine_the_worker_process_and_the_t0_writer(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("one CPU: nothing to confine the worker away from")
+    background = str(allowed[-1])
+    worker = {**SEPARATE, "cpus": background}
+    memory = {"bytes": 4 << 20}
+    async with running_agent(
+        catalog_url, tmp_path, worker_process=True, worker=worker, memory=memory
+    ) as agent:
+        child = agent.process.worker
+        assert isinstance(child, WorkerChild) and child.pid is not None
+        # A checkpoint through the worker (its pools' threads started) and a
+        # memory segment through the T0 writer.
+        source = write_checkpoint(agent.ssd / "step-1", {"model.bin": 300_000})
+        assert (await agent.register("cpus-run", 1, source)).status_code == 202
+        await agent.wait_state("cpus-run", 1)
+        await stage(agent, "cpus-mem", 1)
+        await agent.wait_state("cpus-mem", 1)
+        threads = _threads_cpus(child.pid)
+        assert len(threads) > 1 and set(threads.values()) == {background}, threads
+        writers = [t for t in threading.enumerate() if t.name.startswith("memory-t0-writer")]
+        assert writers and all(
+            os.sched_getaffinity(t.native_id or 0) == {int(background)} for t in writers
+        )
+        # The agent's own threads (its event loop, this test) keep every CPU.
+        assert os.sched_getaffinity(0) == set(allowed)

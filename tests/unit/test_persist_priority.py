@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tierckpt.service.memory.persist import _lower_priority
+from tierckpt.service.memory.persist import _background_thread
 
 
 def _niceness_of_this_thread() -> int:
@@ -18,7 +18,7 @@ def _niceness_of_this_thread() -> int:
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread niceness here")
 def test_t0_writer_thread_is_niced_and_the_others_are_not() -> None:
     base = _niceness_of_this_thread()
-    with ThreadPoolExecutor(1, initializer=_lower_priority, initargs=(7,)) as writer:
+    with ThreadPoolExecutor(1, initializer=_background_thread, initargs=(7, frozenset())) as writer:
         assert writer.submit(_niceness_of_this_thread).result() == min(19, base + 7)
     with ThreadPoolExecutor(1) as other:
         assert other.submit(_niceness_of_this_thread).result() == base
@@ -27,5 +27,5 @@ def test_t0_writer_thread_is_niced_and_the_others_are_not() -> None:
 
 def test_zero_leaves_the_priority_alone() -> None:
     base = _niceness_of_this_thread()
-    with ThreadPoolExecutor(1, initializer=_lower_priority, initargs=(0,)) as writer:
+    with ThreadPoolExecutor(1, initializer=_background_thread, initargs=(0, frozenset())) as writer:
         assert writer.submit(_niceness_of_this_thread).result() == base
