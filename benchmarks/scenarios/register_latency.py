@@ -198,11 +198,22 @@ class _Load:
         self.errors: list[str] = []
         context = multiprocessing.get_context("spawn")
         self._stop = context.Event()
+        self._hold = context.Event()
         self._durable = context.Value("i", 0)
+        self._in_flight = context.Value("i", 0)
         self._totals = base / "totals.json"
         self._process = context.Process(
             target=_load_loop,
-            args=(url, str(base), run_name, self._stop, self._durable, str(self._totals)),
+            args=(
+                url,
+                str(base),
+                run_name,
+                self._stop,
+                self._hold,
+                self._durable,
+                self._in_flight,
+                str(self._totals),
+            ),
             name="bench-load",
             daemon=True,
         )
@@ -218,6 +229,22 @@ class _Load:
         while time.monotonic() - began < at_most:
             if self._durable.value >= 1 and time.monotonic() - began >= at_least:
                 return
+            time.sleep(0.1)
+
+    def hold(self, at_most: float = 120.0) -> None:
+        """No new load checkpoints, until those in flight are durable (the
+        store then takes no more writes from it)."""
+        self._hold.set()
+        began = time.monotonic()
+        while self._in_flight.value and time.monotonic() - began < at_most:
+            time.sleep(0.1)
+
+    def go_on(self) -> None:
+        """New load checkpoints again, until the first of them is durable."""
+        durable = self._durable.value
+        self._hold.clear()
+        began = time.monotonic()
+        while self._durable.value <= durable and time.monotonic() - began < 60.0:
             time.sleep(0.1)
 
     def stop(self) -> None:
@@ -237,9 +264,17 @@ class _Load:
 
 
 def _load_loop(
-    url: str, base: str, run_name: str, stop: Any, durable_count: Any, totals_path: str
+    url: str,
+    base: str,
+    run_name: str,
+    stop: Any,
+    hold: Any,
+    durable_count: Any,
+    in_flight: Any,
+    totals_path: str,
 ) -> None:
-    """The load process: register, follow until durable, register again."""
+    """The load process: register, follow until durable, register again
+    (unless held)."""
     source = Path(base) / "source"
     registered = durable = 0
     errors: list[str] = []
@@ -267,11 +302,12 @@ def _load_loop(
                     else:
                         still.append(s)
                 pending = still
-                while len(pending) < IN_FLIGHT:
+                while len(pending) < IN_FLIGHT and not hold.is_set():
                     step += 1
                     client.register(run_name, step, copy(step))
                     registered += 1
                     pending.append(step)
+                in_flight.value = len(pending)
             except Exception as exc:  # reported, the measurement goes on
                 errors.append(f"{type(exc).__name__}: {exc}")
             stop.wait(0.1)
@@ -672,8 +708,12 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                             load.start()
                             load.wait_steady()  # uploads, commits and replication under way
                         for rep in range(reps):
-                            if rep and mode in PACED_MODES:
+                            if rep and mode in PACED_MODES and load is not None:
+                                # With the load held: a compaction beside
+                                # its uploads took 17-109 s.
+                                load.hold()
                                 _compact(store)
+                                load.go_on()
                             backlog = {"start": float(busy_jobs(agent.url))}
                             memory = {"start": memory_available_bytes()}
                             ticks = cpu_ticks()
