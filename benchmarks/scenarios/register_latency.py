@@ -231,6 +231,10 @@ class _Load:
                 return
             time.sleep(0.1)
 
+    def durable_now(self) -> int:
+        """The load's checkpoints made durable so far."""
+        return int(self._durable.value)
+
     def hold(self, at_most: float = 120.0) -> None:
         """No new load checkpoints, until those in flight are durable (the
         store then takes no more writes from it)."""
@@ -655,7 +659,8 @@ def _round_line(catalog: str, mode: str, rep: int, reps: int, samples: dict[str,
         f"{samples['backlog_start'][0]:.0f} / {samples['backlog_end'][0]:.0f}; "
         f"CPU steal {samples['steal'][0]:.1f} %; memory available at the start / end "
         f"{samples['memory_start'][0] / 2**30:.1f} / {samples['memory_end'][0] / 2**30:.1f} GiB, "
-        f"the store's tmpfs {samples['store_bytes'][0] / 2**30:.1f} GiB"
+        f"the store's tmpfs {samples['store_bytes'][0] / 2**30:.1f} GiB; "
+        f"load checkpoints durable {samples.get('load_rate', [0.0])[0]:.2f} a second"
     )
     if mode in PACED_MODES:
         return (
@@ -717,11 +722,16 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                             backlog = {"start": float(busy_jobs(agent.url))}
                             memory = {"start": memory_available_bytes()}
                             ticks = cpu_ticks()
+                            durable, began = (load.durable_now() if load else 0), time.monotonic()
                             if mode in PACED_MODES:
                                 samples = _paced_round(agent, ctx.ssd / name, rep, paced_count)
                             else:
                                 samples = _round(agent, ctx.work, ctx.ssd / name, rep, count, mode)
                             samples["steal"] = [100 * steal_share(ticks, cpu_ticks())]
+                            if load is not None:
+                                # The uploads' pace: what confining them costs.
+                                made = load.durable_now() - durable
+                                samples["load_rate"] = [made / (time.monotonic() - began)]
                             backlog["end"] = float(busy_jobs(agent.url))
                             memory["end"] = memory_available_bytes()
                             samples.update({f"backlog_{k}": [v] for k, v in backlog.items()})
@@ -795,6 +805,35 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     "×",
                     [confined_p99 / shared_p99],
                     note="below 1: confining helps",
+                )
+            )
+    for catalog_name, per_mode in results.items():
+        rates = {
+            mode: [r["load_rate"][0] for r in per_mode[mode] if r.get("load_rate")]
+            for mode in PACED_MODES
+        }
+        for mode in PACED_MODES:
+            if rates[mode]:
+                rows.append(
+                    row(
+                        f"{catalog_name} load checkpoints ({LOAD_FILES} × "
+                        f"{LOAD_FILE_BYTES // MiB} MiB) made durable during the paced rounds, "
+                        f"{labels[mode]}",
+                        "per second",
+                        "/s",
+                        rates[mode],
+                    )
+                )
+        if all(rates.values()):
+            shared_rate, confined_rate = (percentile(rates[m], 50) for m in PACED_MODES)
+            rows.append(
+                row(
+                    f"{catalog_name} load checkpoints made durable, background confined to one "
+                    "CPU against sharing both",
+                    "ratio",
+                    "×",
+                    [confined_rate / shared_rate],
+                    note="below 1: what confining costs the uploads",
                 )
             )
     for catalog_name, per_mode in results.items():
