@@ -76,8 +76,10 @@ def test_trainer_killed_after_save_resumes_from_memory_bit_identical(
     assert trainer.until("done")["step"] == 40
     assert trainer.wait() == 0
 
-    # Life 1: killed the moment save() of step 15 returns.
-    trainer = Trainer(argv, tmp_path / "trainer-1.log")
+    # Life 1: killed the moment save() of step 15 returns. Its steps sleep:
+    # on a busy machine the kill can otherwise come after step 20's save,
+    # whose segment then takes step 15's place as the run's newest in memory.
+    trainer = Trainer([*argv, "--sleep", "0.3"], tmp_path / "trainer-1.log")
     try:
         saved = trainer.until("checkpoint", step=15)
         trainer.signal(signal.SIGKILL)
