@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
+
+from tierckpt.service.cpu_affinity import set_process_affinity
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -73,15 +74,20 @@ def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
     return (after[0] - before[0]) / total if total > 0 else 0.0
 
 
-def memory_available_bytes() -> int:
-    """The machine's MemAvailable (/proc/meminfo): memory the kernel can give
-    without swapping; near zero it reclaims the page cache of every process
-    (code, libraries, the catalog) and any call may wait for a page."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key == "MemAvailable":
+def meminfo_bytes(key: str) -> int | None:
+    """A line of /proc/meminfo (``MemTotal``, ``MemAvailable``: memory the
+    kernel can give without swapping; near zero it reclaims the page cache of
+    every process, code and catalog included, and any call may wait for a
+    page) in bytes; None where there is no such line or file."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name == key:
             return int(value.split()[0]) * 1024
-    return 0
+    return None
 
 
 def confine(pid: int | None, cpus: set[int] | frozenset[int]) -> frozenset[int] | None:
@@ -92,9 +98,7 @@ def confine(pid: int | None, cpus: set[int] | frozenset[int]) -> frozenset[int] 
         return None
     try:
         before = frozenset(os.sched_getaffinity(pid))
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
-                os.sched_setaffinity(int(task), cpus)
+        set_process_affinity(pid, cpus)
     except (FileNotFoundError, ProcessLookupError):
         return None
     return before

@@ -27,6 +27,7 @@ from typing import Any
 from rich.console import Console
 
 from .context import BUCKET, REGION_PREFIX, REPO, VOLUME_SIZE_LIMIT_MB, environment, log
+from .procstat import meminfo_bytes
 from .report import render
 from .scenarios import SCENARIOS, by_name
 
@@ -58,13 +59,8 @@ def _cpu_model() -> str:
 
 
 def _mem_total_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 1024 / 1024, 1)
-    except OSError:
-        pass
-    return None
+    total = meminfo_bytes("MemTotal")
+    return round(total / 2**30, 1) if total is not None else None
 
 
 def _git() -> dict[str, Any]:

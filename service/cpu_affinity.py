@@ -8,16 +8,17 @@ the others to the trainer and the agent's requests, as nodes are set up for
 data loaders (Kubernetes' CPU manager, Slurm's cpusets do the same per job).
 
 The setting is a CPU list as the kernel writes one (``2``, ``2-5``,
-``0,2,4-7``), read by ``parse``. Linux keeps an affinity per thread and a new thread inherits its
-creator's: the worker process applies it to its threads first thing
-(``confine_process``), before its event loop or any pool starts one, and the
-memory tier's T0 writer to itself (``confine_thread``) in its pool's
-initializer. `tierckpt serve` refuses a list of which the agent may use no
-CPU (``usable``) before it starts.
+``0,2,4-7``), read by ``parse``. Linux keeps an affinity per thread and a
+new thread inherits its creator's: the worker process applies it to its
+threads first thing (``confine_process``), before its event loop or any
+pool starts one, and the memory tier's T0 writer to itself
+(``confine_thread``) in its pool's initializer. `tierckpt serve` refuses a
+list of which the agent may use no CPU (``usable``) before it starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -53,7 +54,11 @@ def parse(text: str) -> frozenset[int]:
 
 def usable(wanted: frozenset[int]) -> frozenset[int]:
     """The CPUs of ``wanted`` this process may run on (its own affinity: a
-    container's or job's cpuset). ValueError naming both when none is."""
+    container's or job's cpuset). ValueError naming both when none is; on a
+    platform without affinities, ``wanted`` (``confine_*`` then say it is
+    not applied)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return wanted
     allowed = frozenset(os.sched_getaffinity(0))
     chosen = wanted & allowed
     if not chosen:
@@ -69,33 +74,43 @@ def confine_thread(wanted: frozenset[int], what: str) -> frozenset[int] | None:
     usable CPUs of ``wanted``; the CPUs applied, or None when ``wanted`` is
     empty or the platform has no affinity (logged: the work then runs
     anywhere, as without the setting)."""
-    return _confine(wanted, what, [0])
+    chosen = _applicable(wanted, what)
+    if chosen is not None:
+        os.sched_setaffinity(0, chosen)
+        log.info("%s confined to CPUs %s", what, format_list(chosen))
+    return chosen
 
 
 def confine_process(wanted: frozenset[int], what: str) -> frozenset[int] | None:
     """As ``confine_thread``, for every thread the calling process has now
     (the ones it starts later inherit their creator's)."""
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    return _confine(wanted, what, threads)
+    chosen = _applicable(wanted, what)
+    if chosen is not None:
+        try:
+            set_process_affinity("self", chosen)
+        except OSError:  # no /proc: the calling thread at least
+            os.sched_setaffinity(0, chosen)
+        log.info("%s confined to CPUs %s", what, format_list(chosen))
+    return chosen
 
 
-def _confine(wanted: frozenset[int], what: str, threads: list[int]) -> frozenset[int] | None:
+def set_process_affinity(pid: int | str, cpus: frozenset[int] | set[int]) -> None:
+    """Every thread process ``pid`` (or ``"self"``) has now on ``cpus``.
+    FileNotFoundError when there is no such process."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+
+
+def _applicable(wanted: frozenset[int], what: str) -> frozenset[int] | None:
+    """The CPUs to apply: None for an empty list, or where the platform has
+    no affinities (logged); ValueError as ``usable``."""
     if not wanted:
         return None
     if not hasattr(os, "sched_setaffinity"):
         log.warning("%s runs on any CPU: this platform cannot confine threads", what)
         return None
-    chosen = usable(wanted)
-    for thread in threads:
-        try:
-            os.sched_setaffinity(thread, chosen)
-        except ProcessLookupError:
-            continue  # the thread ended meanwhile
-    log.info("%s confined to CPUs %s", what, format_list(chosen))
-    return chosen
+    return usable(wanted)
 
 
 def format_list(cpus: frozenset[int]) -> str:

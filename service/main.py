@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,7 +25,7 @@ def _settings_or_exit(config_path: str | None) -> Settings:
 def check_machine(settings: Settings) -> None:
     """What the configuration asks of this machine, refused before serving."""
     cpus = settings.worker.cpu_set
-    if cpus and hasattr(os, "sched_getaffinity"):
+    if cpus:
         try:
             cpu_affinity.usable(cpus)
         except ValueError as exc:

@@ -82,7 +82,7 @@ from tierckpt.client._files import fsync_file
 
 from ..context import Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
-from ..procstat import confine, cpu_ticks, memory_available_bytes, steal_share
+from ..procstat import confine, cpu_ticks, meminfo_bytes, steal_share
 from ..stats import percentile, ratios, row
 from ..tmpfs_store import size_bytes, tmpfs_seaweed, vacuum
 from ..worker_queue import busy_jobs
@@ -733,7 +733,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                 _compact(store)
                                 load.go_on()
                             backlog = {"start": float(busy_jobs(agent.url))}
-                            memory = {"start": memory_available_bytes()}
+                            memory = {"start": meminfo_bytes("MemAvailable") or 0}
                             ticks = cpu_ticks()
                             durable, began = (load.durable_now() if load else 0), time.monotonic()
                             if mode in PACED_MODES:
@@ -746,7 +746,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                                 made = load.durable_now() - durable
                                 samples["load_rate"] = [made / (time.monotonic() - began)]
                             backlog["end"] = float(busy_jobs(agent.url))
-                            memory["end"] = memory_available_bytes()
+                            memory["end"] = meminfo_bytes("MemAvailable") or 0
                             samples.update({f"backlog_{k}": [v] for k, v in backlog.items()})
                             samples.update({f"memory_{k}": [v] for k, v in memory.items()})
                             samples["store_bytes"] = [size_bytes(store.data_dir)]
