@@ -62,7 +62,7 @@ async def fetch_object(store: ObjectStore, obj: ObjectEntry, target: Path) -> in
     verified; returns the bytes read. BadCopy when they do not hash right,
     StoreError when the region fails (the caller tries the next region)."""
     tmp = target.parent / f".{target.name}{TMP_INFIX}{secrets.token_hex(4)}"
-    hashes = FileHashes(obj.chunk_size or 0)
+    hashes = FileHashes(obj.chunk_size or 0, obj.size)
     handle = await asyncio.to_thread(open, tmp, "wb")
     seen = 0
     try:

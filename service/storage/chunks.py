@@ -6,6 +6,8 @@ every fixed-size chunk it touches against the chunk's own hash instead.
 Chunk ``i`` covers bytes ``[i * chunk_size, min((i + 1) * chunk_size, size))``;
 an empty file has no chunks. Both hashes are computed in the upload's single
 read pass (``FileHashes`` is fed the same buffers as the whole-file hash).
+A file no larger than one chunk is its own only chunk: told the file's size,
+``FileHashes`` takes the whole-file hash for it and reads the bytes once.
 
 In the catalog the list is stored as one string, the hex digests concatenated
 (64 characters each): ``encode`` / ``decode``.
@@ -43,9 +45,11 @@ def chunk_count(size: int, chunk_size: int) -> int:
 class FileHashes:
     """The whole-file SHA-256 and the chunks' SHA-256s, fed in file order."""
 
-    def __init__(self, chunk_size: int) -> None:
+    def __init__(self, chunk_size: int, size: int | None = None) -> None:
         """``chunk_size`` 0: the whole-file hash only (``[upload]
-        chunk_size_mb = 0`` saves the second pass's CPU)."""
+        chunk_size_mb = 0`` saves the second pass's CPU). ``size``: the
+        file's, when known; no larger than ``chunk_size``, the chunk pass is
+        skipped (more bytes than a chunk fed then is an error)."""
         if chunk_size < 0:
             raise ValueError("chunk_size must be >= 0")
         self.chunk_size = chunk_size
@@ -53,9 +57,20 @@ class FileHashes:
         self._chunk = hashlib.sha256()
         self._filled = 0
         self.chunks: list[str] = []
+        self._one_chunk = bool(chunk_size) and size is not None and size <= chunk_size
+        self._fed = 0
 
     def update(self, data: memoryview | bytes) -> None:
         if not self.chunk_size:
+            self.whole.update(data)
+            return
+        if self._one_chunk:
+            self._fed += len(data)
+            if self._fed > self.chunk_size:
+                raise ValueError(
+                    f"more than one chunk ({self.chunk_size} bytes) fed to the hashes of a "
+                    "file said to be no larger"
+                )
             self.whole.update(data)
             return
         if len(data) < PARALLEL_MIN:
@@ -89,6 +104,9 @@ class FileHashes:
         once, after the last update."""
         if not self.chunk_size:
             return self.whole.hexdigest(), None
+        if self._one_chunk:
+            whole = self.whole.hexdigest()
+            return whole, (whole,) if self._fed else ()
         if self._filled:
             self._close_chunk()
         return self.whole.hexdigest(), tuple(self.chunks)

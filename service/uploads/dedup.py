@@ -125,7 +125,7 @@ async def hash_local(
     (SourceChanged) if it is not what was registered, before or after the read."""
     fd = await asyncio.to_thread(open_checked, source, roots)
     try:
-        hasher = FileHashes(chunk_size)
+        hasher = FileHashes(chunk_size, source.size)
         buffer = memoryview(bytearray(min(HASH_BUFFER, max(source.size, 1))))
         for offset in range(0, source.size, HASH_SPAN):
             length = min(HASH_SPAN, source.size - offset)

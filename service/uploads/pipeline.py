@@ -177,7 +177,7 @@ async def upload_file_to(
     stores = {index: destinations[index].store for index in sending}
     fd = await asyncio.to_thread(open_checked, source, roots)
     try:
-        hasher = FileHashes(limits.chunk_size)
+        hasher = FileHashes(limits.chunk_size, source.size)
         if source.size <= limits.part_size:
             failed = await _single_put(stores, source, fd, hasher, limits)
         else:

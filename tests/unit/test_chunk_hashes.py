@@ -104,3 +104,38 @@ def test_chunk_size_zero_hashes_the_whole_file_only() -> None:
     hashes.update(b"tail")
     whole, parts = hashes.finish()
     assert len(whole) == 64 and parts is None
+
+
+@pytest.mark.parametrize("size", [0, 1, 999, 1000])
+def test_a_file_of_one_chunk_is_hashed_once(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told the size, a file no larger than a chunk gets its whole-file hash as
+    its only chunk's, the same answer as the second pass gave, without it."""
+    data = os.urandom(size)
+    expected = chunks.FileHashes(1000)
+    expected.update(data)
+    wanted = expected.finish()
+
+    def no_second_pass(self: chunks.FileHashes, data: object) -> None:
+        raise AssertionError("the chunk pass ran")
+
+    monkeypatch.setattr(chunks.FileHashes, "_update_chunks", no_second_pass)
+    hashes = chunks.FileHashes(1000, size)
+    for position in range(0, size, 300):
+        hashes.update(memoryview(data)[position : position + 300])
+    assert hashes.finish() == wanted
+    assert wanted[1] == ((sha(data),) if size else ())
+
+
+def test_more_than_a_chunk_fed_after_a_size_of_one_is_refused() -> None:
+    """A wrong answer (one chunk's hash for two chunks' bytes) is never given."""
+    hashes = chunks.FileHashes(1000, 1000)
+    hashes.update(os.urandom(1000))
+    with pytest.raises(ValueError, match="more than one chunk"):
+        hashes.update(b"x")
+
+
+def test_a_size_larger_than_a_chunk_hashes_every_chunk() -> None:
+    data = os.urandom(2500)
+    hashes = chunks.FileHashes(1000, len(data))
+    hashes.update(data)
+    assert hashes.finish() == (sha(data), tuple(sha(data[i : i + 1000]) for i in range(0, 2500, 1000)))
