@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -175,11 +176,24 @@ def _evict_files(
     return removed
 
 
+# One eviction at a time per catalog engine (so per process): the retain
+# jobs of a run's checkpoints turning durable together and the periodic sweep
+# each read the shards not yet evicted, and run side by side they removed and
+# marked the same ones, a write transaction each, twice.
+_EVICTING: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
 async def evict_local_copies(resources: Resources, run_id: int | None = None) -> int:
     """T0: on this node, remove local copies that are durable elsewhere (or
     deleted) beyond ``[local].keep_last`` newest per run (every run, or
     ``run_id``'s). Prefetched copies (prefetch/copies.py) count among them;
     the newest one of a run stays even at ``keep_last = 0``: someone asked for it."""
+    lock = _EVICTING.setdefault(resources.engine, asyncio.Lock())
+    async with lock:
+        return await _evict_local_copies(resources, run_id)
+
+
+async def _evict_local_copies(resources: Resources, run_id: int | None) -> int:
     settings = resources.settings
     keep = settings.local.keep_last
     node = settings.server.node
@@ -227,7 +241,9 @@ async def evict_local_copies(resources: Resources, run_id: int | None = None) ->
             continue
         async with transaction(resources.sessionmaker) as session:
             await session.execute(
-                update(Shard).where(Shard.id == shard.id).values(evicted_at=utcnow())
+                update(Shard)
+                .where(Shard.id == shard.id, Shard.evicted_at.is_(None))
+                .values(evicted_at=utcnow())
             )
         evicted += 1
     for run, held in prefetched.items():

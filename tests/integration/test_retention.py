@@ -155,6 +155,41 @@ async def test_t0_copies_are_evicted_only_when_durable_and_beyond_keep_last(
         assert detail["step"] == 4 and detail["local"]["path"] == str(dirs[4].resolve())
 
 
+async def test_evictions_side_by_side_remove_and_mark_each_copy_once(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    """A retain job and the periodic sweep evicting at once (two callers here)
+    take turns: each T0 copy is removed and marked evicted by one of them, in
+    one write, not by both."""
+    async with running_agent(catalog_url, tmp_path, local={"keep_last": 10}) as agent:
+        for step in range(1, 5):
+            directory = write_checkpoint(agent.ssd / "run" / f"s{step}", {"w.bin": 10})
+            assert (await agent.register("r", step, directory)).status_code == 202
+        for step in range(1, 5):
+            await agent.wait_state("r", step)
+    async with running_agent(
+        catalog_url, tmp_path, local={"keep_last": 1}, start_worker=False
+    ) as agent:
+        marks: list[str] = []
+
+        def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            if statement.lstrip().upper().startswith("UPDATE SHARDS SET EVICTED_AT"):
+                marks.append(statement)
+
+        engine = agent.resources.engine.sync_engine
+        event.listen(engine, "before_cursor_execute", seen)
+        try:
+            evicted = await asyncio.gather(
+                evict_local_copies(agent.resources), evict_local_copies(agent.resources)
+            )
+        finally:
+            event.remove(engine, "before_cursor_execute", seen)
+        assert sorted(evicted) == [0, 3]
+        assert len(marks) == 3
+        assert not (agent.ssd / "run" / "s3").exists()
+        assert (agent.ssd / "run" / "s4" / "w.bin").exists()
+
+
 async def test_missing_ranks_expire_and_never_shadow_an_older_checkpoint(
     catalog_url: str, tmp_path: Path
 ) -> None:
