@@ -138,4 +138,7 @@ def test_a_size_larger_than_a_chunk_hashes_every_chunk() -> None:
     data = os.urandom(2500)
     hashes = chunks.FileHashes(1000, len(data))
     hashes.update(data)
-    assert hashes.finish() == (sha(data), tuple(sha(data[i : i + 1000]) for i in range(0, 2500, 1000)))
+    assert hashes.finish() == (
+        sha(data),
+        tuple(sha(data[i : i + 1000]) for i in range(0, 2500, 1000)),
+    )
