@@ -16,6 +16,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from ..config import RegionSettings
 from . import layout
 from .base import MultipartUpload, ObjectInfo, ObjectNotFound, ObjectStore, PartRef, StoreError
+from .s3_endpoints import make_cacheable
 
 UNSIGNED_PAYLOAD_SIGNER = "s3v4-tierckpt-unsigned-payload"
 # The smallest part our multipart uploads send: `[upload] part_size_mb` may
@@ -187,6 +188,7 @@ class S3Store(ObjectStore):
                     **self._credentials,
                 )
             )
+            make_cacheable(self._client)
         return self._client
 
     async def _call(self, operation: str, **kwargs: Any) -> Any:
@@ -402,6 +404,7 @@ class S3Store(ObjectStore):
                 config=_client_config(self._settings, 1, "s3v4"),
                 **self._credentials,
             )
+            make_cacheable(self._presigner)
         url: str = self._presigner.generate_presigned_url(
             "get_object",
             Params={"Bucket": self.bucket, "Key": self.full_key(key)},

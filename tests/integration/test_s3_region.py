@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from botocore.endpoint_provider import RuleSet
 
 from devsupport.agent import (
     AgentOrNetwork,
@@ -99,3 +100,32 @@ async def test_abort_incomplete_clears_only_its_prefix(
         assert await store.abort_incomplete("nothing/here/") == 0
     finally:
         await store.aclose()
+
+
+async def test_requests_for_new_keys_resolve_the_endpoint_once(
+    seaweed: SeaweedServer, s3_bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3's rule set is evaluated for the first request, then botocore's cache
+    answers every other key's (storage/s3_endpoints.py); the objects land
+    where they should."""
+    evaluations: list[dict[str, Any]] = []
+    evaluate = RuleSet.evaluate
+
+    def counted(self: RuleSet, input_parameters: dict[str, Any]) -> Any:
+        evaluations.append(dict(input_parameters))
+        return evaluate(self, input_parameters)
+
+    monkeypatch.setattr(RuleSet, "evaluate", counted)
+    store = build_store(
+        RegionSettings.model_validate(s3_region("east", seaweed.endpoint_url, s3_bucket))
+    )
+    try:
+        for n in range(8):
+            await store.put_bytes(f"r/step-{n}/w.bin", b"w%d" % n)
+            assert await store.head(f"r/step-{n}/w.bin") is not None
+        await store.delete("r/step-0/w.bin")
+    finally:
+        await store.aclose()
+    assert len(evaluations) == 1 and "Key" not in evaluations[0]
+    keys = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"])
+    assert keys == [f"prod/r/step-{n}/w.bin" for n in range(1, 8)]
