@@ -65,9 +65,11 @@ serve: $(STAMP)
 # one worker while the other finished the rest and stopped, half-way through.
 # A module's tests may then run on both workers, so a module-scoped fixture
 # must stand on its own when it is set up twice.
+# The slowest tests are listed at the end of every run: `make test` is kept
+# under 15 minutes, and on a slow machine that list says where it goes.
 TEST_WORKERS ?= 2
 test: $(STAMP) browser slurm
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist worksteal) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist worksteal) --durations=25 $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
