@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ..models import Checkpoint, File, Run, Shard, ShardState
+from ..models import Checkpoint, File, Shard, ShardState
+from ..runs.names import name_of_run
 from ..storage import chunks, layout
 from ..storage.manifest import ObjectEntry, build_manifest
 
@@ -47,7 +48,7 @@ class Contents:
 
 
 async def load_contents(session: AsyncSession, checkpoint: Checkpoint) -> Contents:
-    run = await session.get_one(Run, checkpoint.run_id)
+    run = await name_of_run(session, checkpoint.run_id)
     rows = (
         await session.execute(
             select(
@@ -68,7 +69,7 @@ async def load_contents(session: AsyncSession, checkpoint: Checkpoint) -> Conten
     )
     objects = [
         ObjectEntry.of(
-            run.name,
+            run,
             checkpoint.step,
             row.rank,
             row.path,
@@ -79,4 +80,4 @@ async def load_contents(session: AsyncSession, checkpoint: Checkpoint) -> Conten
         )
         for row in rows
     ]
-    return Contents(run=run.name, objects=objects, complete=complete)
+    return Contents(run=run, objects=objects, complete=complete)

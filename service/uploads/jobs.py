@@ -29,7 +29,6 @@ from ..models import (
     JobState,
     Replica,
     ReplicaState,
-    Run,
     Shard,
     ShardState,
     priority_of,
@@ -37,6 +36,7 @@ from ..models import (
 )
 from ..observability import metrics
 from ..resources import Resources
+from ..runs.names import name_of_run
 from ..storage import chunks, layout
 from ..storage.base import ObjectStore, StoreError
 from ..storage.leftovers import abort_left_uploads
@@ -139,14 +139,14 @@ class UploadJobs:
             if checkpoint.state == CheckpointState.FAILED:
                 await queue.complete(session, job)
                 return None
-            run = await session.get_one(Run, checkpoint.run_id)
+            run = await name_of_run(session, checkpoint.run_id)
             shard = await session.get_one(Shard, job.shard_id)
             files = list(await session.scalars(_FILES_OF_SHARD, {"b_id": shard.id}))
             base = Path(shard.path)
             if checkpoint.state == CheckpointState.DELETED:
                 # An earlier run of this job may have landed objects after the
                 # deletion's sweep and been killed before taking them back.
-                return _Start(run.name, checkpoint.step, shard.rank, base, files, [], deleted=True)
+                return _Start(run, checkpoint.step, shard.rank, base, files, [], deleted=True)
             if not repair:
                 # A fan-out upload may start after the primary has finished.
                 if shard.state == ShardState.REGISTERED:
@@ -156,7 +156,7 @@ class UploadJobs:
             fan_outs = []
             if mode == UploadMode.PRIMARY:
                 fan_outs = await self._fan_out(session, checkpoint, job, next_jobs)
-            return _Start(run.name, checkpoint.step, shard.rank, base, files, fan_outs)
+            return _Start(run, checkpoint.step, shard.rank, base, files, fan_outs)
 
         started = await transaction_giving_way(self.r.sessionmaker, start)
         if started is None:
@@ -430,8 +430,9 @@ class UploadJobs:
                 raise PermanentJobError(f"checkpoint {job.checkpoint_id} no longer exists")
             over = checkpoint.state in FINAL
             if over:
-                run = await session.get_one(Run, checkpoint.run_id)
-                key = layout.manifest_key(run.name, checkpoint.step)
+                key = layout.manifest_key(
+                    await name_of_run(session, checkpoint.run_id), checkpoint.step
+                )
             else:
                 contents = await load_contents(session, checkpoint)
                 if not contents.complete:
