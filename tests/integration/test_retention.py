@@ -10,8 +10,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event, select, update
+from sqlalchemy import select, update
 
+from devsupport import statements
 from devsupport.agent import Agent, running_agent, s3_region, write_checkpoint
 from devsupport.catalog_lock import rows
 from devsupport.seaweed import SeaweedServer
@@ -170,20 +171,11 @@ async def test_evictions_side_by_side_remove_and_mark_each_copy_once(
     async with running_agent(
         catalog_url, tmp_path, local={"keep_last": 1}, start_worker=False
     ) as agent:
-        marks: list[str] = []
-
-        def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-            if statement.lstrip().upper().startswith("UPDATE SHARDS SET EVICTED_AT"):
-                marks.append(statement)
-
-        engine = agent.resources.engine.sync_engine
-        event.listen(engine, "before_cursor_execute", seen)
-        try:
+        evicted_marks = statements.starting("UPDATE shards SET evicted_at")
+        with statements.recorded(agent.resources.engine, evicted_marks) as marks:
             evicted = await asyncio.gather(
                 evict_local_copies(agent.resources), evict_local_copies(agent.resources)
             )
-        finally:
-            event.remove(engine, "before_cursor_execute", seen)
         assert sorted(evicted) == [0, 3]
         assert len(marks) == 3
         assert not (agent.ssd / "run" / "s3").exists()
@@ -384,15 +376,8 @@ async def test_a_pass_queues_only_new_deletions_a_few_per_statement(
         async with transaction(agent.resources.sessionmaker) as session:
             await session.execute(update(Checkpoint).values(state=CheckpointState.DURABLE))
 
-        inserts: list[str] = []
-
-        def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-            if statement.lstrip().upper().startswith("INSERT INTO JOBS"):
-                inserts.append(statement)
-
-        engine = agent.resources.engine.sync_engine
-        event.listen(engine, "before_cursor_execute", count)
-        try:
+        job_inserts = statements.starting("INSERT INTO jobs")
+        with statements.recorded(agent.resources.engine, job_inserts) as inserts:
             assert await queue_deletions(agent.resources) == 39
             assert len(inserts) == -(-39 // DELETIONS_PER_TRANSACTION)
             inserts.clear()
@@ -406,8 +391,6 @@ async def test_a_pass_queues_only_new_deletions_a_few_per_statement(
                 await session.execute(update(Checkpoint).values(state=CheckpointState.DURABLE))
             assert await queue_deletions(agent.resources) == 1
             assert len(inserts) == 1
-        finally:
-            event.remove(engine, "before_cursor_execute", count)
         async with reading(agent.resources.sessionmaker)() as session:
             deletes = list(
                 await session.scalars(select(Job.checkpoint_id).where(Job.kind == JobKind.DELETE))

@@ -5,12 +5,12 @@ error, never a name."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import text
 from sqlalchemy.exc import NoResultFound
 
+from devsupport import statements
 from devsupport.agent import running_agent, write_checkpoint
 from tierckpt.service.db import reading
 from tierckpt.service.runs.names import name_of_run
@@ -26,15 +26,7 @@ async def test_a_run_name_is_read_once_then_kept(catalog_url: str, tmp_path: Pat
                 name: run_id
                 for run_id, name in (await session.execute(text("SELECT id, name FROM runs"))).all()
             }
-        reads: list[str] = []
-
-        def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-            if "FROM runs" in statement:
-                reads.append(statement)
-
-        engine = agent.resources.engine.sync_engine
-        event.listen(engine, "before_cursor_execute", seen)
-        try:
+        with statements.recorded(agent.resources.engine, lambda s: "FROM runs" in s) as reads:
             for _ in range(3):
                 for maker in (agent.resources.sessionmaker, reading(agent.resources.sessionmaker)):
                     async with maker() as session:
@@ -43,7 +35,5 @@ async def test_a_run_name_is_read_once_then_kept(catalog_url: str, tmp_path: Pat
             async with agent.resources.sessionmaker() as session:
                 with pytest.raises(NoResultFound):
                     await name_of_run(session, max(ids.values()) + 1000)
-        finally:
-            event.remove(engine, "before_cursor_execute", seen)
         # One read per run, whichever session asked; the unknown id read and refused.
         assert len(reads) == 3
