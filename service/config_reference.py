@@ -62,13 +62,14 @@ REFUSALS: dict[tuple[str, str], list[str]] = {
         "A token's `sha256` must be 64 hexadecimal digits (the SHA-256 of the token).",
     ],
     ("WorkerSettings", "_cpu_list"): [
-        "`worker.cpus` must be a CPU list such as `2`, `2-5` or `0,2,4-7` "
+        "`worker.cpus` must be `auto`, `all` or a CPU list such as `2`, `2-5` or `0,2,4-7` "
         "(numbers up to 65535, ranges that do not end before they start); "
         "a number or an array of numbers is read as the list it spells.",
     ],
     ("WorkerSettings", "_cpus_need_a_process"): [
-        "`worker.cpus` only with `worker.separate_process` `auto` or `yes` "
-        "(it confines the worker's own process).",
+        "`worker.cpus` as a list only with `worker.separate_process` `auto` or `yes` "
+        "(it confines the worker's own process; `auto` confines nothing when the worker "
+        "runs in the agent's).",
     ],
     ("Settings", "_safe_combinations"): [
         "At least one `[[regions]]` entry, and region names unique.",

@@ -8,7 +8,9 @@ the others to the trainer and the agent's requests, as nodes are set up for
 data loaders (Kubernetes' CPU manager, Slurm's cpusets do the same per job).
 
 The setting is a CPU list as the kernel writes one (``2``, ``2-5``,
-``0,2,4-7``), read by ``parse``. Linux keeps an affinity per thread and a
+``0,2,4-7``), read by ``parse``; ``auto``, the default
+(``background_share``: the highest quarter of the agent's CPUs, none on a
+one-CPU agent); or ``all``. Linux keeps an affinity per thread and a
 new thread inherits its creator's: the worker process applies it to its
 threads first thing (``confine_process``), before its event loop or any
 pool starts one, and the memory tier's T0 writer to itself
@@ -50,6 +52,26 @@ def parse(text: str) -> frozenset[int]:
             raise ValueError(f"CPU {last} is out of range (at most {MAX_CPU})")
         cpus.update(range(first, last + 1))
     return frozenset(cpus)
+
+
+def background_share(allowed: frozenset[int]) -> frozenset[int]:
+    """``cpus = "auto"``: the highest quarter of ``allowed`` (rounded up), so
+    that the background gets at least one CPU of its own and the trainers and
+    the agent's requests keep the rest; none when ``allowed`` is one CPU
+    (nothing to keep apart). The highest because trainers, data loaders and
+    NUMA-bound ranks are placed from CPU 0 up by default."""
+    if len(allowed) < 2:
+        return frozenset()
+    share = -(-len(allowed) // 4)
+    return frozenset(sorted(allowed)[-share:])
+
+
+def allowed_cpus() -> frozenset[int]:
+    """The CPUs the calling thread may run on (empty where the platform has
+    no affinities)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return frozenset()
+    return frozenset(os.sched_getaffinity(0))
 
 
 def usable(wanted: frozenset[int]) -> frozenset[int]:

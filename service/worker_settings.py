@@ -33,16 +33,21 @@ class WorkerSettings(BaseModel):
     registration waiting for the lock would otherwise wait for a niced
     thread to be scheduled); that needs CAP_SYS_NICE, and without it the log
     says so once. 0: equal shares."""
-    cpus: str = ""
+    cpus: str = "auto"
     """The CPUs the worker process and the memory tier's T0 writer may run
-    on, as a list such as `2`, `2-5` or `0,2,4-7` (Linux; the kernel's list
-    format, as `taskset -c` takes). Leave out the trainer's cores and one
-    for the agent's requests: uploads, hashing and commits then compete for
-    the listed cores with each other, not with a registration or a
-    `latest` (the agent's requests and the registration writer run on any
-    CPU). CPUs outside the agent's own set (its container's or job's
-    cpuset) are ignored; none left is an error at start. Empty (the
-    default): any CPU the agent may use."""
+    on. `auto` (the default): the highest quarter of the CPUs the agent may
+    use, rounded up (its container's or job's cpuset; on 2 to 4 CPUs the
+    last one), none on a one-CPU agent. A list such as `2`, `2-5` or
+    `0,2,4-7` (Linux; the kernel's list format, as `taskset -c` takes)
+    names them: leave out the trainer's cores and one for the agent's
+    requests. Either way uploads, hashing and commits compete for those
+    cores with each other, not with a registration or a `latest` (the
+    agent's requests and the registration writer run on any CPU); on two
+    CPUs that halves the CPU uploads get (benchmarks/README.md has the
+    figures). CPUs outside the agent's own set are ignored; none left is an
+    error at start. `all`: any CPU the agent may use (uploads as fast as
+    the CPUs allow, each call of a trainer waiting for a core beside
+    them)."""
     concurrency: int = Field(4, ge=1, le=64)
     """Jobs run at once."""
     poll_interval: float = Field(0.5, gt=0)
@@ -90,20 +95,34 @@ class WorkerSettings(BaseModel):
             value = ",".join(str(v) for v in value)
         if not isinstance(value, str):
             raise ValueError(f"{value!r} is not a CPU list: write a string such as '2-5'")
+        value = value.strip()
+        if value.lower() in _WORDS:
+            return value.lower()
         cpu_affinity.parse(value)  # ValueError says what is wrong
-        return value.strip()
+        return value or "all"  # empty, as before `all` existed: no confinement
 
     @model_validator(mode="after")
     def _cpus_need_a_process(self) -> WorkerSettings:
-        if self.cpus and self.separate_process == "no":
+        if self.cpus not in _WORDS and self.separate_process == "no":
             raise ValueError(
                 "worker.cpus confines the worker's process, and worker.separate_process = "
                 "'no' runs the worker in the agent's: set separate_process to 'auto' or "
-                "'yes', or leave cpus empty"
+                "'yes', or cpus to 'auto' or 'all'"
             )
         return self
 
     @property
     def cpu_set(self) -> frozenset[int]:
-        """``cpus`` as CPU numbers (empty: no confinement)."""
+        """``cpus`` as CPU numbers; empty: no confinement (``all``, or
+        ``auto`` with the worker in the agent's process or on one CPU)."""
+        if self.cpus == "all":
+            return frozenset()
+        if self.cpus == "auto":
+            if self.separate_process == "no":
+                return frozenset()
+            return cpu_affinity.background_share(cpu_affinity.allowed_cpus())
         return cpu_affinity.parse(self.cpus)
+
+
+# The values of `cpus` that are not lists.
+_WORDS = ("auto", "all")

@@ -47,12 +47,15 @@ at each round's start and end) grows by hundreds of jobs a round: a stress
 form, in which the registrations meet the worker's whole backlog. The paced
 streams meet the load's own work instead: on an agent of their own with the
 same load, the same two paths, one call every ``PACE_SECONDS``, a rate the
-worker keeps up with. Then once more with the background confined to one
-CPU (``[worker] cpus`` on the agent, the store's threads moved there too:
-it stands for a store on other machines), the other CPU left to the
-agent's requests, the trainers and the catalog: a configuration users
-choose, labelled apart, with its p99s and its uploads' pace as ratios to
-the shared mode's.
+worker keeps up with. The agent's background runs where its default,
+``[worker] cpus = "auto"``, puts it (the highest quarter of the CPUs: on
+two, the last), the rest left to the agent's requests, the trainers and the
+catalog; then once more with ``cpus = "all"`` (the background on every
+CPU, what users who put uploads first choose), labelled apart, with its
+p99s and its uploads' pace as ratios. In every loaded mode the store's
+threads run on the background's CPUs: it stands for a store on other
+machines, which takes none of the node's CPU; there it slows the uploads
+(which a remote store would not), not the calls.
 
 **Idle, by size**: 1 MB against a sparse 10 GiB file, on an agent whose
 worker is off. Register only lists the files (size, mtime) and writes
@@ -79,6 +82,7 @@ from devsupport import postgres as pg
 from devsupport.seaweed import SeaweedServer
 from tierckpt.client import CheckpointClient
 from tierckpt.client._files import fsync_file
+from tierckpt.service.cpu_affinity import background_share, format_list
 
 from ..context import Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
@@ -113,19 +117,18 @@ POLL_SECONDS = 0.01
 # 4 a second on one core, not with 20 (the pace here before, which met a
 # backlog of thousands of jobs left by the back-to-back streams).
 PACE_SECONDS = 0.25
-# The CPU the paced-confined mode leaves to the background work: the last.
-BACKGROUND_CPU = max(os.sched_getaffinity(0))
+# The CPUs `[worker] cpus = "auto"` (the default) gives the background work
+# on this machine, where the store's threads run too; none on one CPU.
+BACKGROUND_CPUS = background_share(frozenset(os.sched_getaffinity(0)))
 # idle: worker off; load: the worker in its own process (worker_process.py);
 # load-other: the same load, registrations answered the other way ([catalog]
 # register_ack: "committed" on SQLite, "recorded" on PostgreSQL, where "auto",
 # the default, picks the other); paced: the same load on an agent of its own,
-# the timed calls paced; paced-confined: the same, with the background work
-# confined to one CPU (the agent's `[worker] cpus`, and the store, which
-# stands for one on other machines), the other left to the agent's requests,
-# the trainers and the catalog. (The worker in the agent's process, compared
-# here before, is in the README.)
-MODES = ("idle", "load", "load-other", "paced", "paced-confined")
-PACED_MODES = ("paced", "paced-confined")
+# the timed calls paced; paced-all: the same with `[worker] cpus = "all"`, the
+# background on every CPU. (The worker in the agent's process, compared here
+# before, is in the README.)
+MODES = ("idle", "load", "load-other", "paced", "paced-all")
+PACED_MODES = ("paced", "paced-all")
 OTHER_ACK = {"SQLite": "committed", "PostgreSQL": "recorded"}
 
 
@@ -153,7 +156,7 @@ def _loaded_agent(
     *,
     worker: bool,
     register_ack: str = "auto",
-    worker_cpus: str = "",
+    worker_cpus: str = "auto",
 ) -> Agent:
     east = s3_region("east", store)
     west = {**s3_region("west", store), "bucket": "bench-west"}
@@ -644,8 +647,9 @@ def _paced_round(agent: Agent, base: Path, rep: int, count: int) -> dict[str, li
 def _confined_ratio(
     what: str, metric: str, ratio: float, note: str = "below 1: confining helps"
 ) -> dict[str, Any]:
-    """A row of the paced-confined mode's figure over the shared one's."""
-    label = f"{what}, background confined to one CPU against sharing both"
+    """A row of the paced mode's figure (the default, `cpus = "auto"`) over
+    the paced-all one's (`cpus = "all"`)."""
+    label = f'{what}, the default cpus = "auto" against cpus = "all"'
     return row(label, metric, "×", [ratio], note=note)
 
 
@@ -698,6 +702,8 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
     results: dict[str, dict[str, list[dict[str, list[float]]]]] = {}
     load_totals: dict[str, Any] = {}
     with tmpfs_seaweed(ctx.work, ("bench", "bench-west")) as (store, store_dir):
+        if BACKGROUND_CPUS:  # the store stands for one on other machines
+            confine(store.pid, BACKGROUND_CPUS)
         for catalog_name in _catalogs():
             databases: list[str] = []
             try:
@@ -708,7 +714,6 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                         url = pg.create_temp_database(pg.postgres_admin_url())
                         databases.append(url)
                     name = f"lat-{catalog_name.lower()}-{mode}"
-                    confined = mode == "paced-confined"
                     agent = _loaded_agent(
                         ctx,
                         name,
@@ -716,10 +721,9 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                         url,
                         worker=mode != "idle",
                         register_ack=OTHER_ACK[catalog_name] if mode == "load-other" else "auto",
-                        worker_cpus=str(BACKGROUND_CPU) if confined else "",
+                        worker_cpus="all" if mode == "paced-all" else "auto",
                     )
                     load: _Load | None = None
-                    store_cpus = confine(store.pid, {BACKGROUND_CPU}) if confined else None
                     try:
                         if mode != "idle":
                             load = _Load(agent.url, ctx.ssd / name / "load", "bench-load")
@@ -753,8 +757,6 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                             per_mode[mode].append(samples)
                             log(_round_line(catalog_name, mode, rep, reps, samples))
                     finally:
-                        if store_cpus is not None:
-                            confine(store.pid, store_cpus)
                         if load is not None:
                             load.stop()
                             load_totals[f"{catalog_name} {mode}"] = {
@@ -776,8 +778,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "load-other": "under upload load, the other register_ack (SQLite: committed, "
         "PostgreSQL: recorded)",
         "paced": "under upload load (worker on, own process)",
-        "paced-confined": "under upload load, the background confined to one CPU (the "
-        "worker and the memory tier's T0 writer by [worker] cpus, the store by its affinity)",
+        "paced-all": 'under upload load, [worker] cpus = "all" (the background on every CPU)',
     }
     for catalog_name, per_mode in results.items():
         for call in ("register", "latest"):
@@ -806,13 +807,13 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     f"paced_{server}",
                     target=True,
                 )
-            shared_p99, confined_p99 = (
+            default_p99, all_p99 = (
                 percentile([percentile(r[f"paced_{call}"], 99) for r in per_mode[m]], 50)
                 for m in PACED_MODES
             )
             rows.append(
                 _confined_ratio(
-                    f"{catalog_name} {label}, paced", "p99 ratio", confined_p99 / shared_p99
+                    f"{catalog_name} {label}, paced", "p99 ratio", default_p99 / all_p99
                 )
             )
     for catalog_name, per_mode in results.items():
@@ -833,12 +834,12 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     )
                 )
         if all(rates.values()):
-            shared_rate, confined_rate = (percentile(rates[m], 50) for m in PACED_MODES)
+            default_rate, all_rate = (percentile(rates[m], 50) for m in PACED_MODES)
             rows.append(
                 _confined_ratio(
                     f"{catalog_name} load checkpoints made durable",
                     "ratio",
-                    confined_rate / shared_rate,
+                    default_rate / all_rate,
                     note="below 1: what confining costs the uploads",
                 )
             )
@@ -906,7 +907,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         for mode, streams in (
             ("load", "back-to-back streams"),
             ("paced", "paced streams"),
-            ("paced-confined", "paced streams"),
+            ("paced-all", "paced streams"),
         ):
             for at in ("start", "end"):
                 values = [r[f"backlog_{at}"][0] for r in per_mode[mode] if r.get(f"backlog_{at}")]
@@ -980,13 +981,16 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "checkpoints a round leave the worker a backlog that grows from round to round "
         "(the worker backlog rows), and the agent, its worker and the store keep both cores "
         "busy with the timed client's own work.",
-        f"paced, background confined: the same on an agent with [worker] cpus = "
-        f'"{BACKGROUND_CPU}" (its worker process and the memory tier\'s T0 writer on that '
-        "CPU) and the store's threads moved there for the mode (it stands for a store on "
-        "other machines, which takes no CPU of the node); the agent's requests, the timed "
-        "client, the load's trainer process and PostgreSQL run on any CPU. A configuration "
-        "users choose (leave the trainer's cores out of [worker] cpus), labelled apart; the "
-        "ratio rows put its p99 against the shared mode's.",
+        "where the background runs: every loaded agent but paced-all's has [worker] cpus = "
+        f'"auto", the default, which puts its worker process and the memory tier\'s T0 '
+        f"writer on CPU(s) {format_list(BACKGROUND_CPUS)} of this machine (the highest "
+        "quarter); the agent's requests, the timed client, the load's trainer process and "
+        'PostgreSQL run on any CPU. paced, cpus = "all": the same paced streams on an agent '
+        "whose background may run on every CPU (users who put uploads first), labelled "
+        "apart; the ratio rows put the default's p99s and uploads' pace against it. The "
+        f"store's threads run on CPU(s) {format_list(BACKGROUND_CPUS)} in every mode: it "
+        "stands for a store on other machines, which takes none of the node's CPU; there "
+        "it slows the uploads, as it would not, rather than the calls.",
         "the store's volumes are compacted after each mode and between paced rounds: the "
         "load's deleted checkpoints stay in SeaweedFS's volumes (on the tmpfs: the node's "
         "memory) until then, about 9 GiB a paced round; each round line gives the memory "

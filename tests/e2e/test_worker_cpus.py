@@ -1,7 +1,8 @@
 """End to end: `tierckpt serve` with `[worker] cpus`, real processes. A list
 the agent may not use, or one that is not a list, is refused before anything
 is created (exit 2, the reason on stderr); a usable one puts every thread of
-the worker process on those CPUs, the agent's own threads on all of them."""
+the worker process on those CPUs, the agent's own threads on all of them; so
+does the default, `auto`, with the highest quarter of the agent's CPUs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from devsupport.agent import write_checkpoint
 from devsupport.processes import TIERCKPT, agent_config
-from tierckpt.service.cpu_affinity import format_list
+from tierckpt.service.cpu_affinity import background_share, format_list
 
 pytestmark = pytest.mark.e2e
 ALLOWED = sorted(os.sched_getaffinity(0))
@@ -58,11 +59,16 @@ def test_serve_refuses_cpus_it_cannot_use_and_creates_nothing(
     assert not (tmp_path / "region").exists()
 
 
-def test_serve_confines_the_worker_process_to_the_cpus_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cpus", ["named", "default"])
+def test_serve_confines_the_worker_process_to_the_cpus_named(tmp_path: Path, cpus: str) -> None:
     if len(ALLOWED) < 2:
         pytest.skip("one CPU: nothing to confine the worker away from")
-    background = str(ALLOWED[-1])
-    config = agent_config(tmp_path, worker={"cpus": background})
+    if cpus == "named":
+        background = str(ALLOWED[-1])
+        config = agent_config(tmp_path, worker={"cpus": background})
+    else:  # `auto`: the highest quarter of the agent's CPUs
+        background = format_list(background_share(frozenset(ALLOWED)))
+        config = agent_config(tmp_path)
     with config.serve(tmp_path / "serve.log").start() as agent:
         assert agent.proc is not None
         source = write_checkpoint(config.ssd / "step-1", {"model.bin": 200_000})

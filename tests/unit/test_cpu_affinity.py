@@ -63,11 +63,49 @@ def test_a_number_or_an_array_of_numbers_means_the_list_it_spells(tmp_path: Path
         load_settings(config, environ={})
 
 
-def test_cpus_need_the_worker_in_a_process_of_its_own() -> None:
+def test_a_cpu_list_needs_the_worker_in_a_process_of_its_own() -> None:
     with pytest.raises(ValueError, match="separate_process"):
         WorkerSettings(cpus="0", separate_process="no")
     assert WorkerSettings(cpus=" 0-1 ").cpu_set == {0, 1}
-    assert WorkerSettings().cpu_set == frozenset()
+    # `auto` and `all` name no list: with the worker in the agent's process
+    # they confine nothing rather than refuse.
+    assert WorkerSettings(separate_process="no").cpu_set == frozenset()
+    assert WorkerSettings(cpus="all", separate_process="no").cpu_set == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("allowed", "share"),
+    [
+        (set(), set()),
+        ({0}, set()),
+        ({3}, set()),
+        ({0, 1}, {1}),
+        ({0, 1, 2}, {2}),
+        ({0, 1, 2, 3}, {3}),
+        ({0, 1, 2, 3, 4}, {3, 4}),
+        (set(range(8)), {6, 7}),
+        (set(range(96)), set(range(72, 96))),
+        ({0, 2, 4, 6, 9}, {6, 9}),  # a cpuset with holes: its own highest
+    ],
+)
+def test_auto_gives_the_background_the_highest_quarter_of_the_agents_cpus(
+    allowed: set[int], share: set[int]
+) -> None:
+    assert cpu_affinity.background_share(frozenset(allowed)) == share
+
+
+def test_auto_is_the_default_and_all_or_empty_confine_nothing() -> None:
+    mine = cpu_affinity.allowed_cpus()
+    assert WorkerSettings().cpus == "auto"
+    assert WorkerSettings().cpu_set == cpu_affinity.background_share(mine)
+    if len(mine) > 1:  # the background leaves the agent's requests a CPU
+        assert WorkerSettings().cpu_set < mine
+    assert WorkerSettings(cpus=" AUTO ").cpus == "auto"
+    for text in ("all", "All", "", "  "):
+        settings = WorkerSettings(cpus=text)
+        assert settings.cpus == "all" and settings.cpu_set == frozenset()
+    assert load_settings(environ={"TIERCKPT_WORKER__CPUS": "all"}).worker.cpu_set == frozenset()
+    assert load_settings(environ={}).worker.cpu_set == cpu_affinity.background_share(mine)
 
 
 def test_cpus_the_agent_may_not_use_are_dropped_and_none_left_is_refused() -> None:
