@@ -1,16 +1,17 @@
 """The CPUs the agent's background work may run on (``[worker] cpus``).
 
-Why: on a node whose cores the uploads keep busy (hashing, request signing,
-the kernel's copies), a registration or a `latest` waits for a core each time
-the agent's event loop or the trainer is woken. Niceness only orders the
-turns on a shared core; confining the background work to some cores leaves
-the others to the trainer and the agent's requests, as nodes are set up for
-data loaders (Kubernetes' CPU manager, Slurm's cpusets do the same per job).
+Why: uploads keep cores busy (hashing, request signing, the kernel's
+copies), and niceness only orders the turns on a shared core; confining the
+background work to some cores leaves the others to the trainer's own work
+(its data loaders, its input pipeline), as nodes are set up for data loaders
+(Kubernetes' CPU manager, Slurm's cpusets do the same per job). It is not
+the default: on two cores with an idle trainer it slowed uploads without
+shortening a registration (benchmarks/README.md).
 
 The setting is a CPU list as the kernel writes one (``2``, ``2-5``,
-``0,2,4-7``), read by ``parse``; ``auto``, the default
-(``background_share``: the highest quarter of the agent's CPUs, none on a
-one-CPU agent); or ``all``. Linux keeps an affinity per thread and a
+``0,2,4-7``), read by ``parse``; ``auto`` (``background_share``: the
+highest quarter of the agent's CPUs, none on a one-CPU agent); or ``all``,
+the default. Linux keeps an affinity per thread and a
 new thread inherits its creator's: the worker process applies it to its
 threads first thing (``confine_process``), before its event loop or any
 pool starts one, and the memory tier's T0 writer to itself

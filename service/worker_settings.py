@@ -33,21 +33,21 @@ class WorkerSettings(BaseModel):
     registration waiting for the lock would otherwise wait for a niced
     thread to be scheduled); that needs CAP_SYS_NICE, and without it the log
     says so once. 0: equal shares."""
-    cpus: str = "auto"
+    cpus: str = "all"
     """The CPUs the worker process and the memory tier's T0 writer may run
-    on. `auto` (the default): the highest quarter of the CPUs the agent may
-    use, rounded up (its container's or job's cpuset; on 2 to 4 CPUs the
-    last one), none on a one-CPU agent. A list such as `2`, `2-5` or
-    `0,2,4-7` (Linux; the kernel's list format, as `taskset -c` takes)
-    names them: leave out the trainer's cores and one for the agent's
-    requests. Either way uploads, hashing and commits compete for those
-    cores with each other, not with a registration or a `latest` (the
-    agent's requests and the registration writer run on any CPU); on two
-    CPUs that halves the CPU uploads get (benchmarks/README.md has the
-    figures). CPUs outside the agent's own set are ignored; none left is an
-    error at start. `all`: any CPU the agent may use (uploads as fast as
-    the CPUs allow, each call of a trainer waiting for a core beside
-    them)."""
+    on. `all` (the default): any CPU the agent may use, so uploads go as
+    fast as the CPUs allow. A list such as `2`, `2-5` or `0,2,4-7` (Linux;
+    the kernel's list format, as `taskset -c` takes) names them: leave out
+    the trainer's cores. `auto`: the highest quarter of the CPUs the agent
+    may use, rounded up (its container's or job's cpuset; on 2 to 4 CPUs
+    the last one), none on a one-CPU agent: one setting for nodes of
+    different sizes. Confined, uploads, hashing and commits compete for
+    those cores with each other, not with the trainer's work; the agent's
+    requests and the registration writer run on any CPU. On a 2-CPU node
+    with an idle trainer, confining cost the uploads about a quarter of
+    their pace and did not shorten a registration (benchmarks/README.md).
+    CPUs outside the agent's own set are ignored; none left is an error at
+    start. An empty value means `all`."""
     concurrency: int = Field(4, ge=1, le=64)
     """Jobs run at once."""
     poll_interval: float = Field(0.5, gt=0)

@@ -2,7 +2,7 @@
 the agent may not use, or one that is not a list, is refused before anything
 is created (exit 2, the reason on stderr); a usable one puts every thread of
 the worker process on those CPUs, the agent's own threads on all of them; so
-does the default, `auto`, with the highest quarter of the agent's CPUs."""
+does `auto`, with the highest quarter of the agent's CPUs."""
 
 from __future__ import annotations
 
@@ -59,16 +59,16 @@ def test_serve_refuses_cpus_it_cannot_use_and_creates_nothing(
     assert not (tmp_path / "region").exists()
 
 
-@pytest.mark.parametrize("cpus", ["named", "default"])
+@pytest.mark.parametrize("cpus", ["named", "auto"])
 def test_serve_confines_the_worker_process_to_the_cpus_named(tmp_path: Path, cpus: str) -> None:
     if len(ALLOWED) < 2:
         pytest.skip("one CPU: nothing to confine the worker away from")
     if cpus == "named":
         background = str(ALLOWED[-1])
         config = agent_config(tmp_path, worker={"cpus": background})
-    else:  # `auto`: the highest quarter of the agent's CPUs
+    else:  # the highest quarter of the agent's CPUs
         background = format_list(background_share(frozenset(ALLOWED)))
-        config = agent_config(tmp_path)
+        config = agent_config(tmp_path, worker={"cpus": "auto"})
     with config.serve(tmp_path / "serve.log").start() as agent:
         assert agent.proc is not None
         source = write_checkpoint(config.ssd / "step-1", {"model.bin": 200_000})

@@ -69,7 +69,7 @@ def test_a_cpu_list_needs_the_worker_in_a_process_of_its_own() -> None:
     assert WorkerSettings(cpus=" 0-1 ").cpu_set == {0, 1}
     # `auto` and `all` name no list: with the worker in the agent's process
     # they confine nothing rather than refuse.
-    assert WorkerSettings(separate_process="no").cpu_set == frozenset()
+    assert WorkerSettings(cpus="auto", separate_process="no").cpu_set == frozenset()
     assert WorkerSettings(cpus="all", separate_process="no").cpu_set == frozenset()
 
 
@@ -94,18 +94,18 @@ def test_auto_gives_the_background_the_highest_quarter_of_the_agents_cpus(
     assert cpu_affinity.background_share(frozenset(allowed)) == share
 
 
-def test_auto_is_the_default_and_all_or_empty_confine_nothing() -> None:
+def test_all_is_the_default_and_auto_takes_the_highest_quarter() -> None:
     mine = cpu_affinity.allowed_cpus()
-    assert WorkerSettings().cpus == "auto"
-    assert WorkerSettings().cpu_set == cpu_affinity.background_share(mine)
-    if len(mine) > 1:  # the background leaves the agent's requests a CPU
-        assert WorkerSettings().cpu_set < mine
-    assert WorkerSettings(cpus=" AUTO ").cpus == "auto"
+    assert WorkerSettings().cpus == "all" and WorkerSettings().cpu_set == frozenset()
     for text in ("all", "All", "", "  "):
         settings = WorkerSettings(cpus=text)
         assert settings.cpus == "all" and settings.cpu_set == frozenset()
-    assert load_settings(environ={"TIERCKPT_WORKER__CPUS": "all"}).worker.cpu_set == frozenset()
-    assert load_settings(environ={}).worker.cpu_set == cpu_affinity.background_share(mine)
+    assert load_settings(environ={}).worker.cpu_set == frozenset()
+    auto = load_settings(environ={"TIERCKPT_WORKER__CPUS": "auto"}).worker.cpu_set
+    assert auto == cpu_affinity.background_share(mine)
+    if len(mine) > 1:  # the background leaves the agent's requests a CPU
+        assert auto < mine
+    assert WorkerSettings(cpus=" AUTO ").cpus == "auto"
 
 
 def test_cpus_the_agent_may_not_use_are_dropped_and_none_left_is_refused() -> None:
