@@ -45,7 +45,8 @@ class WorkerSettings(BaseModel):
     those cores with each other, not with the trainer's work; the agent's
     requests and the registration writer run on any CPU. On a 2-CPU node
     with an idle trainer, confining cost the uploads about a quarter of
-    their pace and did not shorten a registration (benchmarks/README.md).
+    their pace; registrations paced as trainers make them were no faster,
+    back-to-back ones on PostgreSQL were (benchmarks/README.md).
     CPUs outside the agent's own set are ignored; none left is an error at
     start. An empty value means `all`."""
     concurrency: int = Field(4, ge=1, le=64)
