@@ -5,9 +5,9 @@ copies), and niceness only orders the turns on a shared core; confining the
 background work to some cores leaves the others to the trainer's own work
 (its data loaders, its input pipeline), as nodes are set up for data loaders
 (Kubernetes' CPU manager, Slurm's cpusets do the same per job). It is not
-the default: on two cores with an idle trainer it slowed uploads without
-shortening a registration paced as trainers make them
-(benchmarks/README.md).
+the default: on two cores with an idle trainer it slowed uploads by 10-23 %
+while registrations paced as trainers make them met their target without it
+on SQLite and were no faster with it on PostgreSQL (benchmarks/README.md).
 
 The setting is a CPU list as the kernel writes one (``2``, ``2-5``,
 ``0,2,4-7``), read by ``parse``; ``auto`` (``background_share``: the
