@@ -81,9 +81,9 @@ def usable(wanted: frozenset[int]) -> frozenset[int]:
     container's or job's cpuset). ValueError naming both when none is; on a
     platform without affinities, ``wanted`` (``confine_*`` then say it is
     not applied)."""
-    if not hasattr(os, "sched_getaffinity"):
+    allowed = allowed_cpus()
+    if not allowed:  # no affinities on this platform
         return wanted
-    allowed = frozenset(os.sched_getaffinity(0))
     chosen = wanted & allowed
     if not chosen:
         raise ValueError(

@@ -81,7 +81,7 @@ from devsupport import postgres as pg
 from devsupport.seaweed import SeaweedServer
 from tierckpt.client import CheckpointClient
 from tierckpt.client._files import fsync_file
-from tierckpt.service.cpu_affinity import background_share, format_list
+from tierckpt.service.cpu_affinity import allowed_cpus, background_share, format_list
 
 from ..context import Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
@@ -118,7 +118,7 @@ POLL_SECONDS = 0.01
 PACE_SECONDS = 0.25
 # The CPUs `[worker] cpus = "auto"` gives the background work on this
 # machine, where the store's threads run in every mode; none on one CPU.
-BACKGROUND_CPUS = background_share(frozenset(os.sched_getaffinity(0)))
+BACKGROUND_CPUS = background_share(allowed_cpus())
 # idle: worker off; load: the worker in its own process (worker_process.py);
 # load-other: the same load, registrations answered the other way ([catalog]
 # register_ack: "committed" on SQLite, "recorded" on PostgreSQL, where "auto",
