@@ -1,5 +1,5 @@
 """End to end: the real `tierckpt serve` refuses a public bind without tokens,
-and the real CLI authenticates with $TIERCKPT_TOKEN (exit codes per DESIGN.md)."""
+and the real CLI authenticates with $TIERCKPT_TOKEN (exit codes as the README lists them)."""
 
 from __future__ import annotations
 
