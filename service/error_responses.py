@@ -27,6 +27,12 @@ def catalog_unavailable() -> JSONResponse:
     )
 
 
+def api_error(exc: ApiError) -> JSONResponse:
+    """The answer to an ApiError (errors.py): its status, its code and message."""
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else exc.headers
+    return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status, headers=headers)
+
+
 def _internal_error() -> JSONResponse:
     return JSONResponse(
         error_body("internal_error", "unexpected server error; see the agent's log"),
@@ -99,10 +105,7 @@ def _describe_validation(exc: RequestValidationError) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else exc.headers
-        return JSONResponse(
-            error_body(exc.code, exc.message), status_code=exc.status, headers=headers
-        )
+        return api_error(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:

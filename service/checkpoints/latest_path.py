@@ -10,13 +10,16 @@ common case itself: a valid caller, a valid run, a known region, and a valid
 checkpoint to return. The answer is the same function's
 (latest_answer.latest_json) as the route's.
 
-Anything else (no or bad token, a forbidden run, an invalid name, an unknown
-region, no valid checkpoint, an odd query string, an unexpected error) is
-passed on untouched to the FastAPI route, which stays the one place that
-words those errors; the route also keeps `latest` in the OpenAPI document.
-The one exception is a catalog outage, answered here with the same 503 the
-route's handler gives: asking the route would wait for the catalog twice.
-So this layer can only make an answer faster, never give a different one.
+The refusals of the catalog read itself (no valid checkpoint yet, an unknown
+region) and a catalog outage are answered here too, by the same functions
+as the route's exception handlers (error_responses.py): asking the route
+would read the catalog twice, and an orchestrator polling a young run gets
+"no valid checkpoint yet" on every poll until the first one is durable.
+Anything else (no or bad token, a forbidden run, an invalid name, an odd
+query string, an unexpected error) is passed on untouched to the FastAPI
+route, which words those errors; the route also keeps `latest` in the
+OpenAPI document. So this layer can only make an answer faster, never give
+a different one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from urllib.parse import parse_qsl
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..auth import Action, authenticate, authorize
-from ..error_responses import catalog_unavailable
+from ..error_responses import api_error, catalog_unavailable
 from ..errors import ApiError, is_catalog_outage
 from ..names import RUN_NAME
 from ..plain_asgi import RouteLabel, authorization, send_json
@@ -64,6 +67,14 @@ def _query(raw: bytes) -> dict[str, str] | None:
     return params
 
 
+class _Refused(Exception):
+    """The catalog read refused the request (``error``): answered here."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class LatestFastPath:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -75,6 +86,10 @@ class LatestFastPath:
             if match is not None:
                 try:
                     body = await self._answer(scope, match.group(1))
+                except _Refused as refused:
+                    scope["route"] = ROUTE
+                    await api_error(refused.error)(scope, receive, send)
+                    return
                 except Exception as exc:
                     if not is_catalog_outage(exc):
                         raise
@@ -89,7 +104,8 @@ class LatestFastPath:
         await send_json(send, 200, body)
 
     async def _answer(self, scope: Scope, run: str) -> bytes | None:
-        """The answer's bytes, or None: the route answers (and words any error)."""
+        """The answer's bytes; None: the route answers (and words the error);
+        ``_Refused``: the read refused, answered by the caller."""
         params = _query(scope["query_string"])
         if params is None or not RUN_NAME.match(run):
             return None
@@ -98,9 +114,12 @@ class LatestFastPath:
         try:
             principal = authenticate(authorization(scope), resources.settings.tokens)
             authorize(principal, Action.READ, run)
-            return await latest_json(resources, run, params.get("region"), params.get("node"))
         except ApiError:
             return None
+        try:
+            return await latest_json(resources, run, params.get("region"), params.get("node"))
+        except ApiError as exc:
+            raise _Refused(exc) from exc
         except Exception as exc:
             if is_catalog_outage(exc):
                 raise

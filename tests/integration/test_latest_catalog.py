@@ -158,6 +158,13 @@ async def test_latest_skips_every_invalid_kind_and_matches_the_detail_view(
         assert none_valid.status_code == 404
         unknown = await agent.http.get(f"/v1/runs/{RUN}/latest?region=mars")
         assert unknown.status_code == 400
+        # The fast path answers these refusals itself (latest_path.py); the
+        # route (reached with a parameter only it takes) words them the same.
+        for path in ("/v1/runs/other/latest", f"/v1/runs/{RUN}/latest?region=mars"):
+            fast = await agent.http.get(path)
+            routed = await agent.http.get(path + ("&" if "?" in path else "?") + "scope=durable")
+            assert (fast.status_code, fast.json()) == (routed.status_code, routed.json())
+            assert fast.headers["content-type"] == routed.headers["content-type"]
 
 
 async def test_latest_on_this_node_reports_the_intact_local_copy(

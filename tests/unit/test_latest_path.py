@@ -1,6 +1,6 @@
-"""The `latest` fast path (latest_path.py) answers only a good request itself
-and passes everything else, untouched, to the FastAPI route that words the
-errors. The catalog read is replaced by a fake here; the integration tests
+"""The `latest` fast path (latest_path.py) answers a good request itself, and
+the read's own refusals and outages as the route would; everything else goes,
+untouched, to the FastAPI route that words those errors. The catalog read is replaced by a fake here; the integration tests
 (test_latest_catalog, test_auth_api, test_catalog_outage) run the real one."""
 
 from __future__ import annotations
@@ -127,18 +127,39 @@ async def test_anything_else_is_passed_on_untouched(
 
 
 @pytest.mark.parametrize(
-    "error",
+    ("error", "status"),
     [
-        NotFound("no valid checkpoint", code="no_valid_checkpoint"),
-        BadInput("unknown region", code="unknown_region"),
-        RuntimeError("a bug: the route logs it and answers 500"),
+        (NotFound("run 'llama-7b' has no valid checkpoint yet", code="no_valid_checkpoint"), 404),
+        (BadInput("unknown region 'mars'", code="unknown_region"), 400),
     ],
 )
-async def test_errors_of_the_read_are_left_to_the_route(
-    error: Exception, monkeypatch: pytest.MonkeyPatch
+async def test_refusals_of_the_read_are_answered_once_as_the_route_words_them(
+    error: Exception, status: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A young run's `latest` is a 404 until its first checkpoint is durable:
+    the route would read the catalog again only to refuse the same way."""
+    calls = 0
+
+    async def refusing(*_args: Any) -> bytes:
+        nonlocal calls
+        calls += 1
+        raise error
+
+    monkeypatch.setattr(latest_path, "latest_json", refusing)
+    scope = _scope()
+    inner, sent = await _call(scope)
+    assert inner.called == 0 and calls == 1
+    assert sent[0]["status"] == status
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert body == {"error": {"code": error.code, "message": error.message}}  # type: ignore[attr-defined]
+    assert scope["route"].path == "/v1/runs/{run}/latest"
+
+
+async def test_an_unexpected_error_of_the_read_is_left_to_the_route(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def failing(*_args: Any) -> bytes:
-        raise error
+        raise RuntimeError("a bug: the route logs it and answers 500")
 
     monkeypatch.setattr(latest_path, "latest_json", failing)
     inner, _sent = await _call(_scope())
