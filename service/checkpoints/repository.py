@@ -206,7 +206,7 @@ def _latest_valid_statement(
 # PostgreSQL every statement is a round trip and a wake-up of the server, most
 # of a read's latency. Rows come back as named tuples whose attributes are the
 # ORM's names (checkpoint metadata is labelled `meta`).
-_CHECKPOINT_COLUMNS = [
+CHECKPOINT_COLUMNS = [
     column.label("meta") if column.key == "metadata" else column
     for column in Checkpoint.__table__.c
 ]
@@ -262,7 +262,7 @@ def _latest_statement(with_region: bool, with_contents: bool = False) -> Select[
         Checkpoint.run_id == _RUN_ID,
         bindparam("min_regions"),
         bindparam("region") if with_region else None,
-        _CHECKPOINT_COLUMNS,
+        CHECKPOINT_COLUMNS,
     ).subquery("latest")
     child, child_run = aliased(Checkpoint), aliased(Run)
     children = (
@@ -354,7 +354,8 @@ class LatestRows:
     children: list[tuple[str, int]]
 
 
-def _children(joined: str | None) -> list[tuple[str, int]]:
+def parse_children(joined: str | None) -> list[tuple[str, int]]:
+    """The children column's "name:step,..." back as (run, step) pairs."""
     if not joined:
         return []
     out = []
@@ -406,7 +407,7 @@ def latest_rows(
         if row.file_path is not None:
             files.append(row)
     return LatestRows(
-        checkpoint, list(shards.values()), files, replicas, _children(checkpoint.children)
+        checkpoint, list(shards.values()), files, replicas, parse_children(checkpoint.children)
     )
 
 
@@ -471,15 +472,17 @@ async def jobs_of(session: AsyncSession, checkpoint_id: int) -> list[tuple[Job, 
 
 @dataclass(frozen=True)
 class DetailRows:
-    """What a checkpoint's detail view lists, read in one snapshot."""
+    """What a checkpoint's detail view lists, read in one snapshot: ORM
+    objects (detail_rows), or rows by the same attribute names
+    (detail_in_one.py, PostgreSQL)."""
 
-    checkpoint: Checkpoint
-    shards: list[Shard]
-    replicas: list[Replica]
+    checkpoint: Checkpoint | CatalogRow
+    shards: Sequence[Shard | CatalogRow]
+    replicas: Sequence[Replica | ReplicaRow]
     children: list[tuple[str, int]]
     files: Sequence[FileRow]
-    jobs: list[tuple[Job, int | None]]
-    peer_copies: list[PeerCopy]
+    jobs: Sequence[tuple[Job | CatalogRow, int | None]]
+    peer_copies: Sequence[PeerCopy | CatalogRow]
 
 
 # The detail's statements, built once: each poll of a checkpoint's detail

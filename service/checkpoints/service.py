@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -31,13 +32,13 @@ from ..resources import Resources
 from ..storage import layout
 from ..storage.chunks import decode as decode_chunks
 from ..storage.manifest import shard_fingerprint
-from . import register_timing
+from . import detail_in_one, register_timing
 from . import repository as repo
 from .batch_plan import Outcome, Registration
 from .batching import RegistrationBatcher
 from .inbox import RegistrationInbox
 from .presenter import Listing, checkpoint_out
-from .repository import FileRow
+from .repository import CatalogRow, FileRow
 from .scan import ScannedShard, ScanTooLarge, scan
 from .schemas import (
     CheckpointOut,
@@ -171,10 +172,10 @@ class Detail:
     """The detail view, and the rows the memory tier's lookup reads its
     copies from (T0, the peers' ranks and their copies)."""
 
-    checkpoint: Checkpoint
-    shards: list[Shard]
+    checkpoint: Checkpoint | CatalogRow
+    shards: Sequence[Shard | CatalogRow]
     out: CheckpointOut
-    peer_copies: list[PeerCopy]
+    peer_copies: Sequence[PeerCopy | CatalogRow]
 
 
 class CheckpointService:
@@ -210,8 +211,8 @@ class CheckpointService:
             rows = await read_snapshot(
                 self.r.inline_readers, self.r.sync_readers, repo.detail_rows, run, step
             )
-        else:
-            rows = await self.session.run_sync(repo.detail_rows, run, step)
+        else:  # PostgreSQL: one statement on the read pool, not a session's nine
+            rows = await self.r.rows.read(detail_in_one.detail_rows, run, step)
         if rows is None:
             # The NotFound that says which is missing (or, registered since,
             # the checkpoint read the other way).

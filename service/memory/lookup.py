@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import select
@@ -97,7 +98,7 @@ async def detail(
     )
 
 
-def _t0_copies(shards: list[Shard]) -> list[dict[str, Any]]:
+def _t0_copies(shards: Sequence[Shard | Any]) -> list[dict[str, Any]]:
     """The shards not evicted from T0, by rank (``shards`` are in rank order)."""
     return [
         {"tier": "t0", "node": s.node, "rank": s.rank, "path": s.path, "region": None, "uri": None}

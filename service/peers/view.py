@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,10 +19,14 @@ class PeerView:
 
 
 def peer_view(
-    checkpoint: Checkpoint, shard_rows: Iterable[Shard], copies: list[PeerCopy], needed: int
+    checkpoint: Checkpoint | Any,
+    shard_rows: Iterable[Shard | Any],
+    copies: Sequence[PeerCopy | Any],
+    needed: int,
 ) -> PeerView:
     """From the checkpoint, shard and peer copy rows the detail view has read
-    (in one snapshot)."""
+    (in one snapshot): ORM objects, or rows by their attribute names
+    (checkpoints/detail_in_one.py)."""
     world_size = checkpoint.world_size
     shards = {s.id: (s.node, s.rank) for s in shard_rows}
     view = PeerView(

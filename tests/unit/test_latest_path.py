@@ -1,7 +1,8 @@
 """The `latest` fast path (latest_path.py) answers a good request itself, and
 the read's own refusals and outages as the route would; everything else goes,
-untouched, to the FastAPI route that words those errors. The catalog read is replaced by a fake here; the integration tests
-(test_latest_catalog, test_auth_api, test_catalog_outage) run the real one."""
+untouched, to the FastAPI route that words those errors. The catalog read is
+replaced by a fake here; the integration tests (test_latest_catalog,
+test_auth_api, test_catalog_outage) run the real one."""
 
 from __future__ import annotations
 
