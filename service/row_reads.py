@@ -18,8 +18,9 @@ machine"). Here a read is a function of a plain ``Connection``:
 * PostgreSQL: a connection of the read pool (autocommit: the one statement
   is its own snapshot), through ``AsyncConnection.run_sync``.
 
-Reads that need ORM entities (the detail view) keep their sessions
-(db.read_snapshot).
+The detail view reads ORM entities on SQLite, in a session
+(db.read_snapshot); on PostgreSQL it is one statement here too
+(checkpoints/detail_in_one.py).
 """
 
 from __future__ import annotations

@@ -512,7 +512,8 @@ def detail_rows(session: Session, run: str, step: int) -> DetailRows | None:
     whole read runs on the event loop (db.read_snapshot), not a turn of it
     per statement. The detail is what callers poll while they wait for a
     checkpoint, so it runs often beside registrations; the peer copies are
-    read in the same snapshot."""
+    read in the same snapshot. PostgreSQL reads the same rows in one
+    statement instead (detail_in_one.py)."""
     checkpoint = session.scalar(_DETAIL_CHECKPOINT, {"run": run, "step": step})
     if checkpoint is None:
         return None
