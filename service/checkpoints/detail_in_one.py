@@ -27,17 +27,16 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import JSON, Connection, Select, String, bindparam, cast, func, select
+from sqlalchemy import JSON, Connection, Select, bindparam, func, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import aliased, join, outerjoin
 
 from ..models import Checkpoint, File, Job, PeerCopy, Replica, Run, Shard
 from .repository import (
     CHECKPOINT_COLUMNS,
-    CHILD_SEPARATOR,
-    CHILD_STEP_SEPARATOR,
     DetailRows,
     ReplicaRow,
+    joined_children,
     parse_children,
 )
 
@@ -158,18 +157,6 @@ def _statement() -> Select[Any]:
         PeerCopy.checkpoint_id == of_it,
         PeerCopy,
     )
-    child, child_run = aliased(Checkpoint), aliased(Run)
-    children = (
-        select(
-            func.aggregate_strings(
-                child_run.name + CHILD_STEP_SEPARATOR + cast(child.step, String), CHILD_SEPARATOR
-            )
-        )
-        .select_from(child)
-        .join(child_run, child_run.id == child.run_id)
-        .where(child.parent_run == bindparam("run"), child.parent_step == checkpoint.c.step)
-        .scalar_subquery()
-    )
     return select(
         checkpoint,
         shards.label("shard_list"),
@@ -177,7 +164,7 @@ def _statement() -> Select[Any]:
         files.label("file_list"),
         jobs.label("job_list"),
         peer_copies.label("peer_copy_list"),
-        children.label("children"),
+        joined_children(checkpoint.c.step).label("children"),
     )
 
 

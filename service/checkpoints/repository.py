@@ -247,6 +247,23 @@ class ShardFileRow(NamedTuple):
     file_sha256: str | None
 
 
+def joined_children(step: Any) -> Any:
+    """The checkpoints naming ``:run``'s ``step`` as their parent, as one
+    "name:step,..." string (parse_children reads it back)."""
+    child, child_run = aliased(Checkpoint), aliased(Run)
+    return (
+        select(
+            func.aggregate_strings(
+                child_run.name + CHILD_STEP_SEPARATOR + cast(child.step, String), CHILD_SEPARATOR
+            )
+        )
+        .select_from(child)
+        .join(child_run, child_run.id == child.run_id)
+        .where(child.parent_run == bindparam("run"), child.parent_step == step)
+        .scalar_subquery()
+    )
+
+
 def _latest_statement(with_region: bool, with_contents: bool = False) -> Select[Any]:
     """The latest valid checkpoint (one row per replica, or one with null
     replica columns) and its children as one "name:step,..." string.
@@ -264,21 +281,9 @@ def _latest_statement(with_region: bool, with_contents: bool = False) -> Select[
         bindparam("region") if with_region else None,
         CHECKPOINT_COLUMNS,
     ).subquery("latest")
-    child, child_run = aliased(Checkpoint), aliased(Run)
-    children = (
-        select(
-            func.aggregate_strings(
-                child_run.name + CHILD_STEP_SEPARATOR + cast(child.step, String), CHILD_SEPARATOR
-            )
-        )
-        .select_from(child)
-        .join(child_run, child_run.id == child.run_id)
-        .where(child.parent_run == bindparam("run"), child.parent_step == latest.c.step)
-        .scalar_subquery()
-    )
     columns: list[Any] = [
         latest,
-        children.label("children"),
+        joined_children(latest.c.step).label("children"),
         *(column.label(f"replica_{column.key}") for column in Replica.__table__.c),
     ]
     source: Any = latest
