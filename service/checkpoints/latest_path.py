@@ -67,14 +67,6 @@ def _query(raw: bytes) -> dict[str, str] | None:
     return params
 
 
-class _Refused(Exception):
-    """The catalog read refused the request (``error``): answered here."""
-
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 class LatestFastPath:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -86,9 +78,9 @@ class LatestFastPath:
             if match is not None:
                 try:
                     body = await self._answer(scope, match.group(1))
-                except _Refused as refused:
+                except ApiError as refused:  # by the read: auth refusals go to the route
                     scope["route"] = ROUTE
-                    await api_error(refused.error)(scope, receive, send)
+                    await api_error(refused)(scope, receive, send)
                     return
                 except Exception as exc:
                     if not is_catalog_outage(exc):
@@ -104,8 +96,8 @@ class LatestFastPath:
         await send_json(send, 200, body)
 
     async def _answer(self, scope: Scope, run: str) -> bytes | None:
-        """The answer's bytes; None: the route answers (and words the error);
-        ``_Refused``: the read refused, answered by the caller."""
+        """The answer's bytes; None: the route answers (and words the error).
+        The read's own refusals (ApiError) are raised, answered by the caller."""
         params = _query(scope["query_string"])
         if params is None or not RUN_NAME.match(run):
             return None
@@ -118,8 +110,8 @@ class LatestFastPath:
             return None
         try:
             return await latest_json(resources, run, params.get("region"), params.get("node"))
-        except ApiError as exc:
-            raise _Refused(exc) from exc
+        except ApiError:
+            raise
         except Exception as exc:
             if is_catalog_outage(exc):
                 raise

@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from ..models import Checkpoint, Job, Replica, ReplicaState, Shard
-from .repository import FileRow, ReplicaRow
+from .repository import DetailRows, FileRow, ReplicaRow
 from .schemas import CheckpointOut, iso_timestamp
 from .state import replication_lag
 
@@ -78,6 +78,18 @@ class Listing:
     jobs: Iterable[tuple[Job, int | None]] | None = None
     # Configured regions, in configuration order: the replicas' order.
     regions: Sequence[str] = field(default_factory=list)
+
+
+def detail_listing(rows: DetailRows, regions: Sequence[str]) -> Listing:
+    """What the detail view lists, from its read's rows (either read)."""
+    return Listing(
+        shards=rows.shards,
+        replicas=rows.replicas,
+        children=rows.children,
+        files=rows.files,
+        jobs=rows.jobs,
+        regions=regions,
+    )
 
 
 def checkpoint_document(run: str, c: CheckpointValues, listing: Listing) -> dict[str, Any]:

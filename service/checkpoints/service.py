@@ -37,7 +37,7 @@ from . import repository as repo
 from .batch_plan import Outcome, Registration
 from .batching import RegistrationBatcher
 from .inbox import RegistrationInbox
-from .presenter import Listing, checkpoint_out
+from .presenter import Listing, checkpoint_out, detail_listing
 from .repository import CatalogRow, FileRow
 from .scan import ScannedShard, ScanTooLarge, scan
 from .schemas import (
@@ -220,14 +220,7 @@ class CheckpointService:
             return await self._detail_of(
                 run, checkpoint, with_files=True, with_jobs=True, with_peer_copies=True
             )
-        listing = Listing(
-            shards=rows.shards,
-            replicas=rows.replicas,
-            children=rows.children,
-            files=rows.files,
-            jobs=rows.jobs,
-            regions=list(self.r.stores),
-        )
+        listing = detail_listing(rows, list(self.r.stores))
         return Detail(
             rows.checkpoint,
             rows.shards,

@@ -17,7 +17,7 @@ from sqlalchemy import insert
 from devsupport.agent import posix_region, running_agent
 from tierckpt.service.checkpoints import detail_in_one
 from tierckpt.service.checkpoints import repository as repo
-from tierckpt.service.checkpoints.presenter import Listing, checkpoint_document
+from tierckpt.service.checkpoints.presenter import checkpoint_document, detail_listing
 from tierckpt.service.memory.lookup import _t0_copies
 from tierckpt.service.models import (
     Checkpoint,
@@ -154,14 +154,7 @@ def _answer(rows: repo.DetailRows) -> dict[str, Any]:
     """What the detail view makes of the rows: the document (without the
     pending replica's lag, which grows with the clock), the T0 and peer
     copies."""
-    listing = Listing(
-        shards=rows.shards,
-        replicas=rows.replicas,
-        children=rows.children,
-        files=rows.files,
-        jobs=rows.jobs,
-        regions=["east", "west"],
-    )
+    listing = detail_listing(rows, ["east", "west"])
     document = checkpoint_document(RUN, rows.checkpoint, listing)
     for replica in document["replicas"]:
         if replica["state"] == "pending":
