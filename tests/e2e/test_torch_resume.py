@@ -167,6 +167,23 @@ def checkpoints(url: str, run: str) -> list[dict[str, Any]]:
     return list(answer.json()["checkpoints"])
 
 
+def unclaimed(url: str, run: str) -> list[int]:
+    """Steps whose upload job is still queued: not claimed by the worker yet.
+    A checkpoint stays `registered` for a moment after its upload is claimed
+    (until the upload's first transaction marks it `uploading`), so its
+    state alone does not say it waits its turn; its jobs in the detail do."""
+    steps = []
+    for c in checkpoints(url, run):
+        if c["state"] != "registered":
+            continue
+        answer = httpx.get(f"{url}/v1/runs/{run}/checkpoints/{c['step']}", timeout=10)
+        answer.raise_for_status()
+        jobs = answer.json()["jobs"] or []
+        if any(j["kind"] == "upload" and j["state"] == "queued" for j in jobs):
+            steps.append(c["step"])
+    return steps
+
+
 def settle(url: str, run: str, timeout: float = 60) -> list[dict[str, Any]]:
     """Wait until no checkpoint of ``run`` is still on its way to durable."""
     deadline = time.monotonic() + timeout
@@ -357,7 +374,7 @@ def test_sigterm_saves_urgently_ahead_of_queued_uploads(
         queued: list[int] = []
         while len(queued) < 3:  # waiting for their turn: not even claimed
             trainer.until("checkpoint", timeout=30)
-            queued = [c["step"] for c in checkpoints(agent.url, run) if c["state"] == "registered"]
+            queued = unclaimed(agent.url, run)
         _sigterm_between_saves(trainer, every=4)
         urgent = trainer.until("checkpoint", timeout=30, priority="urgent")
         # Staged: in the agent's memory tier, on its way to T0 and the catalog.
