@@ -244,13 +244,18 @@ def reserve_segment(
     return Call("POST", "/v1/memory/segments", MemorySegment.model_validate, body=body)
 
 
-def register_segment(segment_id: str, registration: Call[Checkpoint]) -> Call[Checkpoint]:
+def register_segment(
+    segment_id: str, registration: Call[Checkpoint], *, reserve_next: bool = False
+) -> Call[Checkpoint]:
     """``registration`` (built by :func:`register`) sent for a memory segment."""
+    body = registration.body
+    if reserve_next:
+        body = {**(body or {}), "reserve_next": True}
     return Call(
         "POST",
         f"/v1/memory/segments/{_seg(segment_id)}/register",
         _checkpoint,
-        body=registration.body,
+        body=body,
     )
 
 

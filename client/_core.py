@@ -243,10 +243,15 @@ class ClientCore:
         epoch: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         write_seconds: float | None = None,
+        reserve_next: bool = False,
     ) -> Flow[Checkpoint]:
         """Register a complete memory segment as the checkpoint that will be
         at ``path`` (T0): the agent writes it there, then registers it. The
-        answer is the checkpoint in state ``staged``."""
+        answer is the checkpoint in state ``staged``; with ``reserve_next``
+        (an agent whose ``memory_info().reserve_next`` says it can), its
+        ``next_segment`` is a segment of the same files reserved for the
+        run's next save: write that save into it and register it, with no
+        ``reserve_segment`` call (None when the arena had no room)."""
         if isinstance(parent, _api._AutoParent):
             parent, self._restored = self._restored, None
         registration = _api.register(
@@ -262,7 +267,9 @@ class ClientCore:
             metadata=metadata,
             write_seconds=write_seconds,
         )
-        return self._send(_api.register_segment(segment_id, registration))
+        return self._send(
+            _api.register_segment(segment_id, registration, reserve_next=reserve_next)
+        )
 
     def _release_segment(self, segment_id: str) -> Flow[None]:
         """Give back a reserved segment that will not be registered."""

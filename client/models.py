@@ -134,6 +134,8 @@ class MemorySegment(_Model):
     id: str
     path: str
     bytes: int
+    # When the agent reclaims it if it is not registered (UTC).
+    expires_at: datetime | None = None
 
 
 class MemoryInfo(_Model):
@@ -144,6 +146,8 @@ class MemoryInfo(_Model):
     when_full: str = "disk"
     wait_seconds: float = 0.0
     keep_newest: bool = True
+    # Whether the agent reserves a save's next segment when staging it.
+    reserve_next: bool = False
 
 
 class Checkpoint(_Model):
@@ -180,6 +184,9 @@ class Checkpoint(_Model):
     # Only in the answer of `latest` with scope="node".
     durable_step: int | None = None
     memory: list[MemoryCopy] = Field(default_factory=list)
+    # Only in the answer of `register_segment(..., reserve_next=True)`: the
+    # segment reserved for the run's next save (None: no room for it now).
+    next_segment: MemorySegment | None = None
 
     @field_validator("metrics", "metadata", mode="before")
     @classmethod

@@ -551,26 +551,34 @@ def _timed_staged(
     agent: Agent, base: Path, run_name: str, count: int, pace: float | None = None
 ) -> dict[str, list[float]]:
     """The trainer's default path (``TorchCheckpointer(staging="memory")``):
-    reserve a segment in the agent's memory tier, write the tiny file into
-    it, register the segment, then ask for ``latest``, sequentially. The
-    registration of a segment is recorded in the segment; the catalog gets
-    it once the agent has written it to T0 (service/memory/persist.py), so
-    these checkpoints add their persisting to the load."""
+    write the tiny file into a segment of the agent's memory tier, register
+    the segment, then ask for ``latest``, sequentially. As the checkpointer
+    does, each registration asks for the next save's segment
+    (``reserve_next``), so only the first save (or one the agent found no
+    room ahead for) makes a reservation call of its own; the stall is
+    reservation (if any) + write + register. The registration of a segment
+    is recorded in the segment; the catalog gets it once the agent has
+    written it to T0 (service/memory/persist.py), so these checkpoints add
+    their persisting to the load."""
     payload = os.urandom(TINY_BYTES)
     samples: dict[str, list[float]] = {"reserve": [], "stage": [], "stall": []}
     pacer = _Pace(pace)
+    ahead = None
     with CheckpointClient(agent.url) as client:
         own = _AgentTimes(client)
         for step in range(1, WARMUP + count + 1):
             pacer.wait()
             began = time.perf_counter()
-            segment = client.reserve_segment(run_name, step, {"model.bin": TINY_BYTES})
+            segment = ahead or client.reserve_segment(run_name, step, {"model.bin": TINY_BYTES})
             reserved = time.perf_counter()
             with open(Path(segment.path) / "model.bin", "wb") as out:
                 out.write(payload)
             written = time.perf_counter()
-            answer = client.register_segment(segment.id, run_name, step, base / f"step-{step}")
+            answer = client.register_segment(
+                segment.id, run_name, step, base / f"step-{step}", reserve_next=True
+            )
             staged = time.perf_counter()
+            ahead = answer.next_segment
             client.latest(run_name)
             if answer.state != "staged":
                 raise RuntimeError(f"segment of {run_name}:{step} answered {answer.state}")
@@ -796,16 +804,19 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
             ("register", "register (files on T0)"),
             ("latest", "latest right after"),
             ("segment_stage", 'register of a memory segment (staging="memory")'),
+            ("segment_stall", "memory staging stall (reservation if any + write + register)"),
         ):
-            server = "segment_server_stage" if call == "segment_stage" else f"server_{call}"
+            server = {"segment_stage": "segment_server_stage", "segment_stall": None}.get(
+                call, f"server_{call}"
+            )
             for mode in PACED_MODES:
                 rows += _timed_rows(
                     f"{catalog_name} {label}, paced: one every {PACE_SECONDS * 1000:.0f} ms, "
                     f"{labels[mode]}",
                     per_mode[mode],
                     f"paced_{call}",
-                    f"paced_{server}",
-                    target=True,
+                    f"paced_{server}" if server else None,
+                    target=call != "segment_stall",
                 )
             all_p99, confined_p99 = (
                 percentile([percentile(r[f"paced_{call}"], 99) for r in per_mode[m]], 50)
@@ -866,7 +877,8 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                 target=mode == "load",
             )
             rows += _timed_rows(
-                f"{catalog_name} memory staging stall (reserve + write + register), {labels[mode]}",
+                f"{catalog_name} memory staging stall (reservation if any + write + register), "
+                f"{labels[mode]}",
                 per_mode[mode],
                 "segment_stall",
                 None,

@@ -27,7 +27,7 @@ from ..errors import (
     ServerError,
     TierckptError,
 )
-from ..models import Checkpoint, MemoryInfo
+from ..models import Checkpoint, MemoryInfo, MemorySegment
 from ..sync_client import CheckpointClient
 from .checkpoint_dir import (
     RESTORE_PREFIX,
@@ -44,6 +44,10 @@ from .checkpoint_dir import (
 from .memory_stage import Mappings, StagedFiles
 
 log = logging.getLogger("tierckpt.client.torch")
+
+# The agent's answers for a segment it no longer has (released, reclaimed),
+# and for a step and rank being staged already (a replayed step).
+SEGMENT_GONE, SEGMENT_TAKEN = "segment_not_found", "segment_exists"
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,11 @@ class TorchCheckpointer:
         self.staging = staging
         self._memory: MemoryInfo | None = None
         self._mappings = Mappings()  # of the segments written last (memory_stage.py)
+        # The segment the agent reserved for the next save when it staged the
+        # last one (one call per save instead of two), and its files' sizes.
+        self._ahead: MemorySegment | None = None
+        self._ahead_sizes: dict[str, int] = {}
+        self._ahead_lease = 0.0  # its lease in seconds when it was handed out
         self.client = client
         self.run = run
         self.root = Path(os.path.abspath(root))
@@ -262,9 +271,38 @@ class TorchCheckpointer:
         agent's policy says, or the agent is unreachable)."""
         step = state["step"]
         files = StagedFiles.of(encode_state(**state))
+        ahead = self._take_ahead(files.sizes())
+        if ahead is not None:
+            try:
+                return self._stage(ahead, files, target, state, began, **register)
+            except ConflictError as exc:  # the same step is being staged (a replay)
+                if exc.code != SEGMENT_TAKEN:
+                    raise
+                log.info("%s step %d: %s; writing to disk", self.run, step, exc.message)
+                return None
+            except NotFoundError as exc:
+                if exc.code != SEGMENT_GONE:
+                    raise
+                # Reclaimed after all (an agent started on a new arena, say):
+                # the save is reserved and written again.
+                log.info("%s step %d: the segment reserved ahead is gone (%s)", self.run, step, exc)
         segment = self._reserve(step, files.sizes())
         if segment is None:
             return None
+        return self._stage(segment, files, target, state, began, **register)
+
+    def _stage(
+        self,
+        segment: MemorySegment,
+        files: StagedFiles,
+        target: Path,
+        state: dict[str, Any],
+        began: float,
+        **register: Any,
+    ) -> Checkpoint | None:
+        """Write ``files`` into ``segment`` and register it (asking for the
+        next save's segment when the agent can reserve it)."""
+        step = state["step"]
         try:
             files.write(Path(segment.path), self._mappings)
         except OSError as exc:  # the arena's file system is full after all
@@ -284,11 +322,19 @@ class TorchCheckpointer:
                 world_size=self.world_size,
                 parent=self._parent,
                 write_seconds=written,
+                reserve_next=self.memory_tier().reserve_next,
                 **register,
             )
+        except NotFoundError as exc:
+            if exc.code != SEGMENT_GONE:
+                self._release(segment.id)
+            raise
         except BaseException:
             self._release(segment.id)
             raise
+        self._ahead, self._ahead_sizes = checkpoint.next_segment, files.sizes()
+        if self._ahead is not None and self._ahead.expires_at is not None:
+            self._ahead_lease = self._ahead.expires_at.timestamp() - time.time()
         log.debug(
             "%s step %d: %.3f s copy into memory + register",
             self.run,
@@ -296,6 +342,23 @@ class TorchCheckpointer:
             time.monotonic() - began,
         )
         return checkpoint
+
+    def _take_ahead(self, sizes: dict[str, int]) -> MemorySegment | None:
+        """The segment reserved ahead, if it holds these files, is still there
+        and has at least half its lease left (as much time for the copy as a
+        reservation made now would give); else it is given back (None)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        left = ahead.expires_at.timestamp() - time.time() if ahead.expires_at else 0.0
+        if (
+            self._ahead_sizes == sizes
+            and left >= self._ahead_lease / 2
+            and Path(ahead.path).is_dir()
+        ):
+            return ahead
+        self._release(ahead.id)
+        return None
 
     def _reserve(self, step: int, sizes: dict[str, int]) -> Any:
         tier = self.memory_tier()

@@ -18,7 +18,7 @@ Sizes are known before anything is written, so the reservation is exact.
 The agent hands out every file at its size, often a freed segment's file
 whose pages exist already (service/memory/spares.py). Such a file, fully
 allocated, is written through a shared mapping (:class:`Mappings`), kept
-for the next saves: the same inode comes back a save or two later, and a
+for the next saves: the same inode comes back a few saves later, and a
 copy into a mapping that is already populated costs what a bare memcpy
 does (mapping 600 MB anew costs as much again). A file with holes is
 written with ``pwrite`` instead: on a tmpfs out of room that fails with
@@ -145,14 +145,17 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 class Mappings:
     """Shared mappings of the segment files a trainer wrote in its last
     ``KEEP`` saves, by inode: the agent recycles a freed segment's files, so
-    the next saves often write into an inode mapped already.
+    the next saves often write into an inode mapped already. Three: with the
+    next save's segment reserved as the last one is staged, three sets of
+    files take turns (the newest kept on T0's behalf, the one staged, the
+    one reserved ahead), each coming back every third save.
 
     A kept mapping pins its file's pages: if the agent deletes the file (to
     make room) the pages stay allocated until the trainer's next saves drop
     the mapping, at most ``KEEP`` segments per trainer.
     """
 
-    KEEP = 2
+    KEEP = 3
 
     def __init__(self) -> None:
         # (dev, inode) -> (its own descriptor, the mapping, a view of it)

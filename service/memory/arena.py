@@ -4,7 +4,10 @@ A segment is a directory ``seg-<id>/`` holding
 
 * ``reservation.json``: run, step, rank, the files and their exact sizes,
   the bytes reserved and the lease; written (atomically) before the segment
-  is handed out, so a restarted agent rebuilds its accounting from it;
+  is handed out, so a restarted agent rebuilds its accounting from it. A
+  segment reserved *ahead* (with the staging of the run's previous save, so
+  that its next save needs no reservation call) has no step until it is
+  staged: the step is written then (``bind_step``);
 * ``data/``: the files, written by the trainer in their on-disk format;
 * ``registration.json``: the trainer's registration, written atomically once
   every file is complete. From then on the segment is *staged*: a
@@ -56,7 +59,7 @@ class Segment:
     id: str
     directory: Path
     run: str
-    step: int
+    step: int | None  # None: reserved ahead, for the run's next save (bound when staged)
     rank: int
     world_size: int
     files: dict[str, int]  # relative path -> exact size
@@ -156,10 +159,18 @@ class Arena:
     # -- reservations ------------------------------------------------------------------
 
     def reserve(
-        self, run: str, step: int, rank: int, world_size: int, files: dict[str, int]
+        self,
+        run: str,
+        step: int | None,
+        rank: int,
+        world_size: int,
+        files: dict[str, int],
+        *,
+        evict: bool = True,
     ) -> Segment:
         """A new segment for these files, or MemoryFull. Frees what it may
-        first: expired reservations, then persisted segments (oldest first)."""
+        first: expired reservations, spares, then (``evict``) persisted
+        segments, oldest first. ``step`` None: reserved ahead (``bind_step``)."""
         nbytes = sum(files.values())
         if nbytes > self.budget:
             raise MemoryFull(
@@ -169,7 +180,7 @@ class Arena:
                 code="segment_too_large",
             )
         self.reclaim_expired()
-        recycled = self._make_room(files)
+        recycled = self._make_room(files, evict)
         now = time.time()
         segment = Segment(
             id=uuid.uuid4().hex,
@@ -211,13 +222,13 @@ class Arena:
         self.segments[segment.id] = segment
         return segment
 
-    def _make_room(self, files: dict[str, int]) -> dict[str, Path]:
+    def _make_room(self, files: dict[str, int], evict: bool = True) -> dict[str, Path]:
         """Free what the reservation of ``files`` needs (spares it does not
-        reuse, then persisted segments, oldest first, whose files become
-        spares it may reuse); the spares it reuses, or MemoryFull."""
+        reuse, then, with ``evict``, persisted segments, oldest first, whose
+        files become spares it may reuse); the spares it reuses, or MemoryFull."""
         nbytes = sum(files.values())
         evictable = sorted(
-            (s for s in self.segments.values() if s.state in ("persisted", "failed")),
+            (s for s in self.segments.values() if evict and s.state in ("persisted", "failed")),
             key=lambda s: s.created,
         )
         while True:
@@ -272,6 +283,14 @@ class Arena:
         return segment
 
     # -- the segment's life ------------------------------------------------------------
+
+    def bind_step(self, segment: Segment, step: int) -> None:
+        """Give a segment reserved ahead the step it is staged as (written
+        before its registration: a restarted agent reads it back)."""
+        reservation = read_json(segment.directory / RESERVATION)
+        reservation["step"] = step
+        write_json_atomically(segment.directory / RESERVATION, reservation)
+        segment.step = step
 
     def check_complete(self, segment: Segment) -> None:
         """Every reserved file is there, a regular file of exactly its size,
@@ -349,7 +368,7 @@ class Arena:
             for s in self.segments.values()
             if s.run == segment.run and s.rank == segment.rank and s.state == "persisted"
         ]
-        newest = max(same, key=lambda s: s.step, default=None)
+        newest = max(same, key=lambda s: s.step or 0, default=None)
         for other in same:
             if not keep_newest or other is not newest:
                 self.release(other.id)

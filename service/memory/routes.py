@@ -12,11 +12,10 @@ from fastapi.responses import Response
 
 from ..auth import Action, Principal, authorize
 from ..checkpoints.presenter import to_json
-from ..checkpoints.schemas import RegisterRequest
 from ..deps import AgentDep, PrincipalDep
 from ..errors import Conflict
 from ..plain_post import PlainPost
-from .service import MemoryTier, ReserveRequest, SegmentOut
+from .service import MemoryTier, ReserveRequest, SegmentOut, StageRequest
 
 router = APIRouter(prefix="/v1/memory", tags=["memory"])
 SEGMENTS, STAGE = "/segments", "/segments/{segment_id}/register"
@@ -55,10 +54,14 @@ async def reserve_segment(
 
 @router.post(STAGE, status_code=202)
 async def register_segment(
-    segment_id: str, body: RegisterRequest, agent: AgentDep, principal: PrincipalDep
+    segment_id: str, body: StageRequest, agent: AgentDep, principal: PrincipalDep
 ) -> Response:
     """The segment's files are complete: record the registration (the
-    checkpoint is `staged`); the agent writes it to T0 and registers it."""
+    checkpoint is `staged`); the agent writes it to T0 and registers it.
+    With `reserve_next`, the answer's `next_segment` is a segment of the same
+    files reserved for the run's next save (null when the arena has no room
+    for it without evicting a checkpoint's copy): that save writes into it
+    and stages it with no reservation call."""
     authorize(principal, Action.WRITE, body.run)
     document = _tier(agent).stage(segment_id, body)
     return Response(to_json(document), status_code=202, media_type="application/json")
@@ -84,7 +87,7 @@ async def _plain_reserve(
 
 
 async def _plain_stage(
-    app: Any, principal: Principal, body: RegisterRequest, params: dict[str, str]
+    app: Any, principal: Principal, body: StageRequest, params: dict[str, str]
 ) -> tuple[int, bytes]:
     authorize(principal, Action.WRITE, body.run)
     return 202, to_json(_tier(app.state.agent).stage(params["segment_id"], body))
@@ -94,5 +97,5 @@ def plain_routes() -> list[PlainPost]:
     """Reserve and stage below FastAPI's route machinery (plain_post.py)."""
     return [
         PlainPost(router.prefix + SEGMENTS, ReserveRequest, _plain_reserve),
-        PlainPost(router.prefix + STAGE, RegisterRequest, _plain_stage),
+        PlainPost(router.prefix + STAGE, StageRequest, _plain_stage),
     ]

@@ -54,6 +54,18 @@ class SegmentOut(BaseModel):
     expires_at: str
 
 
+class StageRequest(RegisterRequest):
+    """A segment's registration; with ``reserve_next``, the answer also holds
+    a segment of the same files reserved ahead for the run's next save
+    (``next_segment``), which that save then writes and stages without a
+    reservation call of its own: one call per save instead of two."""
+
+    reserve_next: bool = False
+
+    def registration(self) -> RegisterRequest:
+        return RegisterRequest.model_validate(self.model_dump(exclude={"reserve_next"}))
+
+
 def arena_directory(settings: Settings) -> Path:
     """One directory per agent (names.agent_directory_name)."""
     return Path(settings.memory.dir) / agent_directory_name(
@@ -85,6 +97,9 @@ class MemoryTier:
         self.arena = Arena(
             arena_directory(settings), settings.memory.bytes, settings.memory.lease_seconds
         )
+        # A staged segment's id -> the one reserved ahead with it: a retried
+        # stage (its answer lost) gets the same one back, not a second.
+        self._ahead: dict[str, str] = {}
         self.persister = SegmentPersister(
             resources,
             registrations,
@@ -106,6 +121,8 @@ class MemoryTier:
             "when_full": self.settings.when_full,
             "wait_seconds": self.settings.wait_seconds,
             "keep_newest": self.settings.keep_newest,
+            # This agent reserves a save's next segment when staging it.
+            "reserve_next": True,
             "segments": [s.describe() for s in self.arena.segments.values()],
         }
 
@@ -154,25 +171,24 @@ class MemoryTier:
                 f"the memory tier could not create the segment ({exc.strerror}); "
                 "the checkpoint goes to T0",
             ) from exc
-        return SegmentOut(
-            id=segment.id,
-            path=str(segment.data),
-            bytes=segment.nbytes,
-            expires_at=_iso(segment.lease_until),
-        )
+        return _segment_out(segment)
 
-    def stage(self, segment_id: str, request: RegisterRequest) -> dict[str, Any]:
+    def stage(self, segment_id: str, body: StageRequest) -> dict[str, Any]:
         """Record the registration of a complete segment; the agent takes it
-        to T0 and the catalog from here. Returns the staged checkpoint."""
+        to T0 and the catalog from here. Returns the staged checkpoint (with
+        ``next_segment`` when asked: None when the arena has no room for it
+        without evicting a checkpoint's copy)."""
+        request = body.registration()
         segment = self.arena.get(segment_id)
-        if (segment.run, segment.step, segment.rank, segment.world_size) != (
+        ahead = segment.step is None
+        if (segment.run, segment.rank, segment.world_size) != (
             request.run,
-            request.step,
             request.rank,
             request.world_size,
-        ):
+        ) or (not ahead and segment.step != request.step):
+            step = "its next save" if ahead else f"step {segment.step}"
             raise BadInput(
-                f"segment {segment_id} was reserved for {segment.run} step {segment.step} "
+                f"segment {segment_id} was reserved for {segment.run} {step} "
                 f"rank {segment.rank}/{segment.world_size}; register that",
                 code="segment_mismatch",
             )
@@ -184,9 +200,47 @@ class MemoryTier:
         if segment.registration is None:
             self.drain.admit(request.priority)
             self.arena.check_complete(segment)
+        if ahead:
+            self._refuse_taken_step(request)
+            self.arena.bind_step(segment, request.step)
         self.arena.stage(segment, request.model_dump(mode="json", exclude_none=True))
         self.persister.wake()
-        return self.staged_document(request.run, [segment])
+        document = self.staged_document(request.run, [segment])
+        if body.reserve_next:
+            # Draining, the agent takes no next save: nothing reserved for one.
+            document["next_segment"] = None if self.drain.active else self._reserve_ahead(segment)
+        return document
+
+    def _refuse_taken_step(self, request: RegisterRequest) -> None:
+        """The check ``reserve`` makes, made when a segment reserved ahead
+        gets its step."""
+        if any(
+            s.rank == request.rank and s.step == request.step
+            for s in self.arena.of_run(request.run, ("reserved", "staged"))
+        ):
+            raise Conflict(
+                f"{request.run} step {request.step} rank {request.rank} is being staged in "
+                "memory already",
+                code="segment_exists",
+            )
+
+    def _reserve_ahead(self, staged: Segment) -> dict[str, Any] | None:
+        """A segment of ``staged``'s files for its run's next save, or None.
+        Only from free room and spares: it never evicts a checkpoint's copy
+        (nor makes a save wait), and a reservation that is not staged within
+        the lease is reclaimed as any other."""
+        earlier = self.arena.segments.get(self._ahead.get(staged.id, ""))
+        if earlier is not None and earlier.state == "reserved" and earlier.step is None:
+            return _segment_out(earlier).model_dump()
+        self._ahead = {k: v for k, v in self._ahead.items() if v in self.arena.segments}
+        try:
+            segment = self.arena.reserve(
+                staged.run, None, staged.rank, staged.world_size, dict(staged.files), evict=False
+            )
+        except (MemoryFull, OSError):
+            return None
+        self._ahead[staged.id] = segment.id
+        return _segment_out(segment).model_dump()
 
     def _check_target(self, path: str) -> None:
         """The T0 path: absolute, under a configured root (the confinement of
@@ -244,7 +298,7 @@ class MemoryTier:
         body = RegisterRequest.model_validate(first.registration)
         failed = next((s.failed for s in segments if s.failed is not None), None)
         checkpoint = NewCheckpoint(
-            step=first.step,
+            step=body.step,
             state="failed" if failed else "staged",
             world_size=first.world_size,
             epoch=body.epoch,
@@ -296,6 +350,15 @@ class MemoryTier:
 
     def staged_of(self, run: str, step: int) -> list[Segment]:
         return [s for s in self.arena.of_run(run, ("staged", "failed")) if s.step == step]
+
+
+def _segment_out(segment: Segment) -> SegmentOut:
+    return SegmentOut(
+        id=segment.id,
+        path=str(segment.data),
+        bytes=segment.nbytes,
+        expires_at=_iso(segment.lease_until),
+    )
 
 
 def _iso(timestamp: float) -> str:

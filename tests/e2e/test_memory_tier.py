@@ -15,6 +15,7 @@ SeaweedFS, trainer processes, kill -9.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import time
@@ -272,3 +273,57 @@ def test_a_worker_process_uploads_a_staged_checkpoint_from_memory(
         assert time.monotonic() < deadline, "the segment never reached T0"
         time.sleep(0.05)
     assert _files_of(target) == {p: hashlib.sha256(d).hexdigest() for p, d in files.items()}
+
+
+def _reservations(log: Path) -> int:
+    """The agent's answered `POST /v1/memory/segments` calls (its request log)."""
+    count = 0
+    for line in log.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("method") == "POST" and entry.get("path") == "/v1/memory/segments":
+            count += 1
+    return count
+
+
+def test_each_save_after_the_first_is_one_call_into_the_segment_reserved_ahead(
+    start_agent: AgentFactory,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Staging a save reserves the next one's segment (same files), which the
+    next save writes and stages at whatever step it has: one call per save.
+    The bytes on T0 are each step's, and a restart loads the newest from
+    memory. A segment reserved ahead with less than half its lease left is
+    given back and the save reserves anew."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 128)
+    agent, ssd = start_agent(
+        memory={"bytes": 64 << 20, "lease_seconds": 4},
+        local={"keep_last": 10},  # every step's T0 copy is read below
+    )
+    run = "ahead"
+    expected: dict[int, Any] = {}
+    with CheckpointClient(agent.url) as client:
+        checkpointer = TorchCheckpointer(client, run, ssd, model=model, node=NODE)
+        for step in (10, 20, 35, 50):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            expected[step] = model.weight.detach().clone()
+            assert checkpointer.save(step).state == "staged"
+        assert _reservations(agent.log) == 1
+        time.sleep(2.5)  # more than half the reservation's lease gone
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        expected[60] = model.weight.detach().clone()
+        assert checkpointer.save(60).state == "staged"
+        assert _reservations(agent.log) == 2
+        for step in expected:
+            wait_durable(agent.url, run, step)
+            weights = load_file(str(ssd / run / f"step-{step}" / "model.safetensors"))
+            assert torch.equal(weights["weight"], expected[step]), step
+        restored = TorchCheckpointer(client, run, ssd, model=torch.nn.Linear(128, 128), node=NODE)
+        assert restored.restore_latest() == 60
+        assert restored.restored is not None and restored.restored.source == "memory"
+        assert torch.equal(restored.objects["model"].weight, expected[60])

@@ -2,11 +2,11 @@
 routes of the same paths. `POST /v1/checkpoints`: the same statuses and
 bodies for a new checkpoint, a repeat, another rank, and every refusal (bad
 input, conflicts, an invalid body, no token, a forbidden run). A memory-staged
-save's reserve and stage: a segment reserved, staged, and each refusal
-(a forbidden run, no token, a segment too large, unknown or reserved for
-another step, an invalid body). The FastAPI routes are reached the same way
-with a chunked body, which a plain route hands over; spies tell which of the
-two answered."""
+save's reserve and stage: a segment reserved, staged (reserving the next
+save's), that one staged, and each refusal (a forbidden run, no token, a
+segment too large, unknown or reserved for another step, an invalid body).
+The FastAPI routes are reached the same way with a chunked body, which a
+plain route hands over; spies tell which of the two answered."""
 
 from __future__ import annotations
 
@@ -191,10 +191,19 @@ async def test_the_memory_routes_answer_as_fastapis_do(
             await post({"run": run, "step": 9, "path": target}, stage)  # another step: 400
             await post({"run": run, "step": 1}, stage)  # a field missing: 422
             await post({"run": run, "step": 1, "path": target}, "/v1/memory/segments/nope/register")
-            await post({"run": run, "step": 1, "path": target}, stage)  # staged: 202
+            staged = await post(
+                {"run": run, "step": 1, "path": target, "reserve_next": True}, stage
+            )
+            ahead = staged.json()["next_segment"]  # the next save's, reserved with this one
+            (Path(ahead["path"]) / "model.bin").write_bytes(b"n" * 100)
+            target = str(agent.ssd / run / "step-4")
+            await post(
+                {"run": run, "step": 4, "path": target},
+                f"/v1/memory/segments/{ahead['id']}/register",
+            )  # staged as step 4: 202
             if not chunked:
                 assert spy.calls == 2  # only the two invalid bodies went FastAPI's way
         assert spy.calls > 2  # the chunked bodies went FastAPI's way
         statuses = [status for status, _ in answers[False]]
-        assert statuses == [201, 507, 403, 401, 422, 400, 422, 404, 202]
+        assert statuses == [201, 507, 403, 401, 422, 400, 422, 404, 202, 202]
         assert answers[False] == answers[True]
