@@ -18,9 +18,9 @@ Full mode measures two sizes (~600 MB and ~2 GB), quick mode one small one
   ``/dev/shm`` arena, in safetensors layout, written with ``pwrite`` from
   the tensors) and registered; the agent writes it to T0 (fsync, rename),
   registers it and uploads it afterwards. Target: stall ≤ 2× the bare copy.
-  Two untimed saves come first (a trainer's first two saves write into new
-  tmpfs pages; later ones reuse the pages and mappings of the save before
-  last, as the bare copy reuses its pre-touched buffer).
+  Three untimed saves come first (a trainer's first three saves write into
+  new tmpfs pages; later ones reuse the pages and mappings of the save three
+  before, as the bare copy reuses its pre-touched buffer).
 - ``disk staging``: ``TorchCheckpointer(staging="disk").save``: safetensors
   + JSON written to the local root, fsynced, renamed into place, and one
   register call. The upload runs in the agent afterwards.
@@ -328,11 +328,12 @@ def _measure_size(
         SAVE_BOTO3: save_and_put,
     }
     variants = [every[name] for name in names]
-    # Two untimed memory-staged saves first, as the bare copy's arena is
-    # touched before each copy: a trainer's first two saves write
-    # into new tmpfs pages; from the third on the agent hands back the files
-    # (and the trainer its mappings) of the save before last.
-    for warm_step in (WARM_UP_STEP, WARM_UP_STEP + 1):
+    # Three untimed memory-staged saves first, as the bare copy's arena is
+    # touched before each copy: a trainer's first three saves write into new
+    # tmpfs pages; from the fourth on the segment reserved ahead with the last
+    # save holds the files (and the trainer its mappings) of the save three
+    # before (three sets take turns: kept, staged, reserved ahead).
+    for warm_step in (WARM_UP_STEP, WARM_UP_STEP + 1, WARM_UP_STEP + 2):
         staged_save(MEMORY, "memory", warm_step)
         results[MEMORY].pop()
         durable[MEMORY].pop()
@@ -497,11 +498,11 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             "for two of the largest state: the newest kept for restarts and the next save).",
             "The bare copy is the limit: the tensors' bytes copied into a preallocated, "
             "pre-faulted file in /dev/shm mapped shared, nothing else.",
-            "Memory staging is measured after two untimed saves of the same run (the bare "
-            "copy's buffer is likewise touched before): a trainer's first two saves write "
-            "into new tmpfs pages (about twice the stall); later ones get the files of the "
-            "save before last back from the agent and write through the trainer's kept "
-            "mappings of them.",
+            "Memory staging is measured after three untimed saves of the same run (the bare "
+            "copy's buffer is likewise touched before): a trainer's first three saves write "
+            "into new tmpfs pages (about twice the stall); later ones write into the segment "
+            "the agent reserved with the save before (one call per save), which holds the "
+            "files of the save three before, through the trainer's kept mappings of them.",
             "Disk staging: the stall is the local write (fsynced safetensors + JSON, renamed "
             "into place) and one register call; the upload to S3 happens in the agent "
             "afterwards. Memory staging: the stall is the copy into the agent's memory tier "

@@ -271,30 +271,36 @@ class TorchCheckpointer:
         agent's policy says, or the agent is unreachable)."""
         step = state["step"]
         files = StagedFiles.of(encode_state(**state))
-        ahead = self._take_ahead(files.sizes())
+        sizes = files.sizes()
+        ahead = self._take_ahead(sizes, fixed=set(files.layouts))
         if ahead is not None:
             try:
-                return self._stage(ahead, files, target, state, began, **register)
+                return self._stage(ahead, files, sizes, target, state, began, **register)
             except ConflictError as exc:  # the same step is being staged (a replay)
                 if exc.code != SEGMENT_TAKEN:
                     raise
                 log.info("%s step %d: %s; writing to disk", self.run, step, exc.message)
                 return None
+            except ServerError as exc:  # its small files grew past the budget
+                if exc.code != "memory_full":
+                    raise
+                log.info("%s step %d: %s", self.run, step, exc.message)
             except NotFoundError as exc:
                 if exc.code != SEGMENT_GONE:
                     raise
                 # Reclaimed after all (an agent started on a new arena, say):
                 # the save is reserved and written again.
                 log.info("%s step %d: the segment reserved ahead is gone (%s)", self.run, step, exc)
-        segment = self._reserve(step, files.sizes())
+        segment = self._reserve(step, sizes)
         if segment is None:
             return None
-        return self._stage(segment, files, target, state, began, **register)
+        return self._stage(segment, files, sizes, target, state, began, **register)
 
     def _stage(
         self,
         segment: MemorySegment,
         files: StagedFiles,
+        sizes: dict[str, int],
         target: Path,
         state: dict[str, Any],
         began: float,
@@ -332,7 +338,7 @@ class TorchCheckpointer:
         except BaseException:
             self._release(segment.id)
             raise
-        self._ahead, self._ahead_sizes = checkpoint.next_segment, files.sizes()
+        self._ahead, self._ahead_sizes = checkpoint.next_segment, sizes
         if self._ahead is not None and self._ahead.expires_at is not None:
             self._ahead_lease = self._ahead.expires_at.timestamp() - time.time()
         log.debug(
@@ -343,19 +349,20 @@ class TorchCheckpointer:
         )
         return checkpoint
 
-    def _take_ahead(self, sizes: dict[str, int]) -> MemorySegment | None:
-        """The segment reserved ahead, if it holds these files, is still there
-        and has at least half its lease left (as much time for the copy as a
-        reservation made now would give); else it is given back (None)."""
+    def _take_ahead(self, sizes: dict[str, int], fixed: set[str]) -> MemorySegment | None:
+        """The segment reserved ahead, if it holds the same files (the
+        ``fixed`` ones, written in place, of the same sizes; the small ones,
+        rewritten whole, may differ: the agent takes their sizes), is still
+        there, and has at least half its lease left (as much time for the copy
+        as a reservation made now would give); else it is given back (None)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
         left = ahead.expires_at.timestamp() - time.time() if ahead.expires_at else 0.0
-        if (
-            self._ahead_sizes == sizes
-            and left >= self._ahead_lease / 2
-            and Path(ahead.path).is_dir()
-        ):
+        same = self._ahead_sizes.keys() == sizes.keys() and all(
+            self._ahead_sizes[name] == sizes[name] for name in fixed
+        )
+        if same and left >= self._ahead_lease / 2 and Path(ahead.path).is_dir():
             return ahead
         self._release(ahead.id)
         return None

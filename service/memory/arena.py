@@ -205,20 +205,7 @@ class Arena:
             if relative not in recycled or not self.spares.take(recycled[relative], path, size):
                 with open(path, "xb") as handle:
                     handle.truncate(size)
-        write_json_atomically(
-            segment.directory / RESERVATION,
-            {
-                "id": segment.id,
-                "run": run,
-                "step": step,
-                "rank": rank,
-                "world_size": world_size,
-                "files": files,
-                "bytes": nbytes,
-                "created": segment.created,
-                "lease_until": segment.lease_until,
-            },
-        )
+        _write_reservation(segment)
         self.segments[segment.id] = segment
         return segment
 
@@ -287,25 +274,31 @@ class Arena:
     def bind_step(self, segment: Segment, step: int) -> None:
         """Give a segment reserved ahead the step it is staged as (written
         before its registration: a restarted agent reads it back)."""
-        reservation = read_json(segment.directory / RESERVATION)
-        reservation["step"] = step
-        write_json_atomically(segment.directory / RESERVATION, reservation)
         segment.step = step
+        _write_reservation(segment)
+
+    def take_sizes(self, segment: Segment) -> None:
+        """A segment reserved ahead holds the next save's files, whose small
+        ones (a JSON of metrics, pickled objects) rarely keep their sizes:
+        take the sizes written, the same files by name, if the budget holds
+        them (MemoryFull otherwise). Other differences are left to
+        ``check_complete`` to refuse."""
+        found = _regular_files(segment.data)
+        if found.keys() != segment.files.keys() or found == segment.files:
+            return
+        grown = sum(found.values()) - segment.nbytes
+        if grown > 0 and self.used + grown > self.budget:
+            raise MemoryFull(
+                f"the save's files are {grown} bytes larger than the segment reserved for "
+                f"them and the memory tier ({self.budget} bytes) has no room for that now"
+            )
+        segment.files, segment.nbytes = found, sum(found.values())
+        _write_reservation(segment)
 
     def check_complete(self, segment: Segment) -> None:
         """Every reserved file is there, a regular file of exactly its size,
         and nothing else: the trainer finished writing before it registered."""
-        found: dict[str, int] = {}
-        for dirpath, _dirnames, filenames in os.walk(segment.data):
-            for name in filenames:
-                path = Path(dirpath) / name
-                info = path.lstat()
-                relative = path.relative_to(segment.data).as_posix()
-                if not path.is_file() or path.is_symlink():
-                    raise BadInput(
-                        f"{relative} in the segment is not a regular file", code="invalid_segment"
-                    )
-                found[relative] = info.st_size
+        found = _regular_files(segment.data)
         if found != segment.files:
             missing = sorted(set(segment.files) - set(found))
             extra = sorted(set(found) - set(segment.files))
@@ -372,3 +365,37 @@ class Arena:
         for other in same:
             if not keep_newest or other is not newest:
                 self.release(other.id)
+
+
+def _regular_files(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` (relative path -> size); BadInput for
+    anything but a regular file (a symlink, a FIFO)."""
+    found: dict[str, int] = {}
+    for dirpath, _dirnames, filenames in os.walk(directory):
+        for name in filenames:
+            path = Path(dirpath) / name
+            info = path.lstat()
+            relative = path.relative_to(directory).as_posix()
+            if not path.is_file() or path.is_symlink():
+                raise BadInput(
+                    f"{relative} in the segment is not a regular file", code="invalid_segment"
+                )
+            found[relative] = info.st_size
+    return found
+
+
+def _write_reservation(segment: Segment) -> None:
+    write_json_atomically(
+        segment.directory / RESERVATION,
+        {
+            "id": segment.id,
+            "run": segment.run,
+            "step": segment.step,
+            "rank": segment.rank,
+            "world_size": segment.world_size,
+            "files": segment.files,
+            "bytes": segment.nbytes,
+            "created": segment.created,
+            "lease_until": segment.lease_until,
+        },
+    )

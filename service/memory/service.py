@@ -197,11 +197,14 @@ class MemoryTier:
                 "files[] hashes are not taken with a memory segment", code="invalid_request"
             )
         self._check_target(request.path)
-        if segment.registration is None:
-            self.drain.admit(request.priority)
-            self.arena.check_complete(segment)
         if ahead:
             self._refuse_taken_step(request)
+        if segment.registration is None:
+            self.drain.admit(request.priority)
+            if ahead:
+                self.arena.take_sizes(segment)
+            self.arena.check_complete(segment)
+        if ahead:
             self.arena.bind_step(segment, request.step)
         self.arena.stage(segment, request.model_dump(mode="json", exclude_none=True))
         self.persister.wake()

@@ -63,7 +63,8 @@ async def test_the_next_save_stages_into_the_segment_reserved_with_the_last(
         assert (None, "reserved") in await _segments(agent)
 
         # The next save comes at another step than anyone could have guessed.
-        second = {"model.bin": os.urandom(200_000), "state.json": b'{"step": 2}\n'}
+        # Its small file is longer: the agent takes the sizes written.
+        second = {"model.bin": os.urandom(200_000), "state.json": b'{"step": 250, "loss": 0.5}\n'}
         _write(ahead, second)
         again = await _stage(agent, ahead, "ahead", 250, reserve_next=True)
         assert again.status_code == 202, again.text
@@ -74,7 +75,9 @@ async def test_the_next_save_stages_into_the_segment_reserved_with_the_last(
         target = agent.ssd / "ahead" / "step-250"
         for relative, data in second.items():
             assert (target / relative).read_bytes() == data
-        assert {f["path"] for f in done["files"]} == set(FILES)
+        assert {f["path"]: f["size"] for f in done["files"]} == {
+            p: len(d) for p, d in second.items()
+        }
         steps = [s for s, _ in await _segments(agent)]
         assert 250 in steps and None in steps
 
@@ -147,3 +150,24 @@ async def test_a_segment_reserved_ahead_is_refused_as_a_reservation_would_be(
         # Refused, it is still the run's next segment, with no step yet.
         assert (None, "reserved") in await _segments(agent)
         assert (await _stage(agent, ahead, "refuse", 2)).status_code == 202
+
+
+async def test_files_grown_past_the_budget_are_refused_and_the_segment_stays_reserved(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    small = {"a.bin": os.urandom(300_000)}
+    async with running_agent(catalog_url, tmp_path, memory={"bytes": 1_000_000}) as agent:
+        memory = agent.process.memory
+        assert memory is not None
+        await memory.persister.stop()
+        first = await _reserve(agent, "grow", 1, small)
+        _write(first, small)
+        ahead = (await _stage(agent, first, "grow", 1, reserve_next=True)).json()["next_segment"]
+        assert ahead is not None
+        _write(ahead, {"a.bin": os.urandom(800_000)})  # 300 000 staged + 800 000 > 1 000 000
+        refused = await _stage(agent, ahead, "grow", 2)
+        assert refused.status_code == 507, refused.text
+        assert refused.json()["error"]["code"] == "memory_full"
+        assert (None, "reserved") in await _segments(agent)
+        _write(ahead, {"a.bin": os.urandom(350_000)})  # 650 000: fits
+        assert (await _stage(agent, ahead, "grow", 2)).status_code == 202
