@@ -153,15 +153,7 @@ class MemoryTier:
                 f"files[].path {clash[0]!r} is both a file and a directory",
                 code="invalid_file_name",
             )
-        if any(
-            s.rank == request.rank and s.step == request.step
-            for s in self.arena.of_run(request.run, ("reserved", "staged"))
-        ):
-            raise Conflict(
-                f"{request.run} step {request.step} rank {request.rank} is being staged in "
-                "memory already",
-                code="segment_exists",
-            )
+        self._refuse_taken_step(request.run, request.rank, request.step)
         try:
             segment = self.arena.reserve(
                 request.run, request.step, request.rank, request.world_size, files
@@ -198,7 +190,7 @@ class MemoryTier:
             )
         self._check_target(request.path)
         if ahead:
-            self._refuse_taken_step(request)
+            self._refuse_taken_step(request.run, request.rank, request.step)
         if segment.registration is None:
             self.drain.admit(request.priority)
             if ahead:
@@ -214,16 +206,15 @@ class MemoryTier:
             document["next_segment"] = None if self.drain.active else self._reserve_ahead(segment)
         return document
 
-    def _refuse_taken_step(self, request: RegisterRequest) -> None:
-        """The check ``reserve`` makes, made when a segment reserved ahead
-        gets its step."""
+    def _refuse_taken_step(self, run: str, rank: int, step: int) -> None:
+        """One segment per run, rank and step being staged: checked when a
+        segment is reserved, and when one reserved ahead gets its step."""
         if any(
-            s.rank == request.rank and s.step == request.step
-            for s in self.arena.of_run(request.run, ("reserved", "staged"))
+            s.rank == rank and s.step == step
+            for s in self.arena.of_run(run, ("reserved", "staged"))
         ):
             raise Conflict(
-                f"{request.run} step {request.step} rank {request.rank} is being staged in "
-                "memory already",
+                f"{run} step {step} rank {rank} is being staged in memory already",
                 code="segment_exists",
             )
 

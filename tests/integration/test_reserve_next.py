@@ -43,6 +43,20 @@ async def _reserve(agent: Agent, run: str, step: int, files: dict[str, bytes]) -
     return segment
 
 
+async def _first_save(
+    agent: Agent, run: str, files: dict[str, bytes], step: int = 1
+) -> dict[str, Any]:
+    """A save reserved, written and staged with ``reserve_next``: the
+    segment reserved ahead (asserted there)."""
+    first = await _reserve(agent, run, step, files)
+    _write(first, files)
+    staged = await _stage(agent, first, run, step, reserve_next=True)
+    assert staged.status_code == 202, staged.text
+    ahead: dict[str, Any] = staged.json()["next_segment"]
+    assert ahead is not None
+    return ahead
+
+
 async def _segments(agent: Agent) -> list[tuple[int | None, str]]:
     info = (await agent.http.get("/v1/memory")).json()
     return sorted(((s["step"], s["state"]) for s in info["segments"]), key=str)
@@ -53,12 +67,8 @@ async def test_the_next_save_stages_into_the_segment_reserved_with_the_last(
 ) -> None:
     async with running_agent(catalog_url, tmp_path, memory={"bytes": 10 << 20}) as agent:
         assert (await agent.http.get("/v1/memory")).json()["reserve_next"] is True
-        first = await _reserve(agent, "ahead", 100, FILES)
-        _write(first, FILES)
-        staged = await _stage(agent, first, "ahead", 100, reserve_next=True)
-        assert staged.status_code == 202, staged.text
-        ahead = staged.json()["next_segment"]
-        assert ahead is not None and ahead["bytes"] == sum(map(len, FILES.values()))
+        ahead = await _first_save(agent, "ahead", FILES, step=100)
+        assert ahead["bytes"] == sum(map(len, FILES.values()))
         assert sorted(await asyncio.to_thread(os.listdir, ahead["path"])) == sorted(FILES)
         assert (None, "reserved") in await _segments(agent)
 
@@ -69,7 +79,7 @@ async def test_the_next_save_stages_into_the_segment_reserved_with_the_last(
         again = await _stage(agent, ahead, "ahead", 250, reserve_next=True)
         assert again.status_code == 202, again.text
         assert again.json()["step"] == 250 and again.json()["state"] == "staged"
-        assert again.json()["next_segment"]["id"] not in (first["id"], ahead["id"])
+        assert again.json()["next_segment"]["id"] != ahead["id"]
 
         done = await agent.wait_state("ahead", 250)
         target = agent.ssd / "ahead" / "step-250"
@@ -136,9 +146,7 @@ async def test_a_segment_reserved_ahead_is_refused_as_a_reservation_would_be(
         memory = agent.process.memory
         assert memory is not None
         await memory.persister.stop()
-        first = await _reserve(agent, "refuse", 1, FILES)
-        _write(first, FILES)
-        ahead = (await _stage(agent, first, "refuse", 1, reserve_next=True)).json()["next_segment"]
+        ahead = await _first_save(agent, "refuse", FILES)
         _write(ahead, FILES)
         other_run = await _stage(agent, ahead, "elsewhere", 2)
         assert other_run.status_code == 400
@@ -160,10 +168,7 @@ async def test_files_grown_past_the_budget_are_refused_and_the_segment_stays_res
         memory = agent.process.memory
         assert memory is not None
         await memory.persister.stop()
-        first = await _reserve(agent, "grow", 1, small)
-        _write(first, small)
-        ahead = (await _stage(agent, first, "grow", 1, reserve_next=True)).json()["next_segment"]
-        assert ahead is not None
+        ahead = await _first_save(agent, "grow", small)
         _write(ahead, {"a.bin": os.urandom(800_000)})  # 300 000 staged + 800 000 > 1 000 000
         refused = await _stage(agent, ahead, "grow", 2)
         assert refused.status_code == 507, refused.text
