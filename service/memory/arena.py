@@ -7,7 +7,7 @@ A segment is a directory ``seg-<id>/`` holding
   is handed out, so a restarted agent rebuilds its accounting from it. A
   segment reserved *ahead* (with the staging of the run's previous save, so
   that its next save needs no reservation call) has no step until it is
-  staged: the step is written then (``bind_step``);
+  staged: the step is written then (``adopt``);
 * ``data/``: the files, written by the trainer in their on-disk format;
 * ``registration.json``: the trainer's registration, written atomically once
   every file is complete. From then on the segment is *staged*: a
@@ -170,7 +170,7 @@ class Arena:
     ) -> Segment:
         """A new segment for these files, or MemoryFull. Frees what it may
         first: expired reservations, spares, then (``evict``) persisted
-        segments, oldest first. ``step`` None: reserved ahead (``bind_step``)."""
+        segments, oldest first. ``step`` None: reserved ahead (``adopt``)."""
         nbytes = sum(files.values())
         if nbytes > self.budget:
             raise MemoryFull(
@@ -271,34 +271,31 @@ class Arena:
 
     # -- the segment's life ------------------------------------------------------------
 
-    def bind_step(self, segment: Segment, step: int) -> None:
-        """Give a segment reserved ahead the step it is staged as (written
-        before its registration: a restarted agent reads it back)."""
+    def adopt(self, segment: Segment, step: int) -> None:
+        """A segment reserved ahead, staged as ``step``: its files are the
+        next save's, whose small ones (a JSON of metrics, pickled objects)
+        rarely keep their sizes, so it takes the sizes written (the same
+        files by name) if the budget holds them (MemoryFull otherwise), is
+        checked complete, and gets its step; the reservation is written once,
+        before the registration: a restarted agent reads both back."""
+        found = _regular_files(segment.data)
+        if found.keys() == segment.files.keys() and found != segment.files:
+            grown = sum(found.values()) - segment.nbytes
+            if grown > 0 and self.used + grown > self.budget:
+                raise MemoryFull(
+                    f"the save's files are {grown} bytes larger than the segment reserved "
+                    f"for them and the memory tier ({self.budget} bytes) has no room for that now"
+                )
+            segment.files, segment.nbytes = found, sum(found.values())
+        self.check_complete(segment, found)
         segment.step = step
         _write_reservation(segment)
 
-    def take_sizes(self, segment: Segment) -> None:
-        """A segment reserved ahead holds the next save's files, whose small
-        ones (a JSON of metrics, pickled objects) rarely keep their sizes:
-        take the sizes written, the same files by name, if the budget holds
-        them (MemoryFull otherwise). Other differences are left to
-        ``check_complete`` to refuse."""
-        found = _regular_files(segment.data)
-        if found.keys() != segment.files.keys() or found == segment.files:
-            return
-        grown = sum(found.values()) - segment.nbytes
-        if grown > 0 and self.used + grown > self.budget:
-            raise MemoryFull(
-                f"the save's files are {grown} bytes larger than the segment reserved for "
-                f"them and the memory tier ({self.budget} bytes) has no room for that now"
-            )
-        segment.files, segment.nbytes = found, sum(found.values())
-        _write_reservation(segment)
-
-    def check_complete(self, segment: Segment) -> None:
+    def check_complete(self, segment: Segment, found: dict[str, int] | None = None) -> None:
         """Every reserved file is there, a regular file of exactly its size,
-        and nothing else: the trainer finished writing before it registered."""
-        found = _regular_files(segment.data)
+        and nothing else: the trainer finished writing before it registered.
+        ``found``: the segment's files as just listed (``_regular_files``)."""
+        found = _regular_files(segment.data) if found is None else found
         if found != segment.files:
             missing = sorted(set(segment.files) - set(found))
             extra = sorted(set(found) - set(segment.files))

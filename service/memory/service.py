@@ -62,9 +62,6 @@ class StageRequest(RegisterRequest):
 
     reserve_next: bool = False
 
-    def registration(self) -> RegisterRequest:
-        return RegisterRequest.model_validate(self.model_dump(exclude={"reserve_next"}))
-
 
 def arena_directory(settings: Settings) -> Path:
     """One directory per agent (names.agent_directory_name)."""
@@ -165,12 +162,11 @@ class MemoryTier:
             ) from exc
         return _segment_out(segment)
 
-    def stage(self, segment_id: str, body: StageRequest) -> dict[str, Any]:
+    def stage(self, segment_id: str, request: StageRequest) -> dict[str, Any]:
         """Record the registration of a complete segment; the agent takes it
         to T0 and the catalog from here. Returns the staged checkpoint (with
         ``next_segment`` when asked: None when the arena has no room for it
         without evicting a checkpoint's copy)."""
-        request = body.registration()
         segment = self.arena.get(segment_id)
         ahead = segment.step is None
         if (segment.run, segment.rank, segment.world_size) != (
@@ -193,15 +189,15 @@ class MemoryTier:
             self._refuse_taken_step(request.run, request.rank, request.step)
         if segment.registration is None:
             self.drain.admit(request.priority)
-            if ahead:
-                self.arena.take_sizes(segment)
-            self.arena.check_complete(segment)
-        if ahead:
-            self.arena.bind_step(segment, request.step)
-        self.arena.stage(segment, request.model_dump(mode="json", exclude_none=True))
+            if ahead:  # complete, with the sizes written, and its step recorded
+                self.arena.adopt(segment, request.step)
+            else:
+                self.arena.check_complete(segment)
+        registration = request.model_dump(mode="json", exclude_none=True, exclude={"reserve_next"})
+        self.arena.stage(segment, registration)
         self.persister.wake()
         document = self.staged_document(request.run, [segment])
-        if body.reserve_next:
+        if request.reserve_next:
             # Draining, the agent takes no next save: nothing reserved for one.
             document["next_segment"] = None if self.drain.active else self._reserve_ahead(segment)
         return document

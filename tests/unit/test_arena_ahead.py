@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tierckpt.service.errors import BadInput
 from tierckpt.service.memory.arena import Arena, MemoryFull
 
 FILES = {"model.bin": 4096, "nested/state.json": 10}
@@ -26,9 +27,7 @@ def test_the_step_and_the_sizes_written_are_read_back(tmp_path: Path) -> None:
     assert _arena(tmp_path).segments[segment.id].step is None
     (segment.data / "model.bin").write_bytes(b"m" * 4096)
     (segment.data / "nested/state.json").write_bytes(b'{"loss": 0.25}')  # 14 bytes, not 10
-    arena.take_sizes(segment)
-    arena.check_complete(segment)
-    arena.bind_step(segment, 42)
+    arena.adopt(segment, 42)
     again = _arena(tmp_path).segments[segment.id]
     assert (again.step, again.files, again.nbytes) == (
         42,
@@ -42,8 +41,9 @@ def test_growth_past_the_budget_is_refused_and_changes_nothing(tmp_path: Path) -
     segment = arena.reserve("run", None, 0, 1, {"model.bin": 4096}, evict=False)
     (segment.data / "model.bin").write_bytes(b"m" * 9000)
     with pytest.raises(MemoryFull):
-        arena.take_sizes(segment)
+        arena.adopt(segment, 1)
     assert segment.files == {"model.bin": 4096} and arena.used == 4096
+    assert segment.step is None
 
 
 def test_other_files_are_left_to_the_completeness_check(tmp_path: Path) -> None:
@@ -51,5 +51,6 @@ def test_other_files_are_left_to_the_completeness_check(tmp_path: Path) -> None:
     segment = arena.reserve("run", None, 0, 1, {"model.bin": 4096}, evict=False)
     (segment.data / "model.bin").write_bytes(b"m" * 4096)
     (segment.data / "extra.bin").write_bytes(b"x")
-    arena.take_sizes(segment)
-    assert segment.files == {"model.bin": 4096}
+    with pytest.raises(BadInput, match="unexpected"):
+        arena.adopt(segment, 1)
+    assert segment.files == {"model.bin": 4096} and segment.step is None
