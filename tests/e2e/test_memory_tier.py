@@ -10,6 +10,10 @@ SeaweedFS, trainer processes, kill -9.
   no half-written directory is left on T0.
 - The arena full: saves wait for room (`when_full = "wait"`) or go to disk
   (`"disk"`, or a state larger than the whole tier); none is lost.
+- The segment a save reserved ahead for the next one: used (one call per
+  save), given back when half its lease is gone, reserved anew when the
+  agent no longer knows it, and given back when its step is refused (the
+  save then goes to disk).
 """
 
 from __future__ import annotations
@@ -329,3 +333,92 @@ def test_each_save_after_the_first_is_one_call_into_the_segment_reserved_ahead(
         assert restored.restore_latest() == 60
         assert restored.restored is not None and restored.restored.source == "memory"
         assert torch.equal(restored.objects["model"].weight, expected[60])
+
+
+def test_a_segment_reserved_ahead_that_the_agent_no_longer_knows_is_reserved_anew(
+    start_agent: AgentFactory,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent restarted on another arena directory (`[memory] dir`
+    changed) while the old one, with the segment reserved ahead, is still
+    there: staging it answers 404 `segment_not_found`, and the save reserves
+    a segment of the new arena, still in memory, the bytes its own."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    agent, ssd = start_agent(memory={"bytes": 64 << 20}, local={"keep_last": 10})
+    run = "ahead-gone"
+    expected: dict[int, Any] = {}
+    with CheckpointClient(agent.url) as client:
+        checkpointer = TorchCheckpointer(client, run, ssd, model=model, node=NODE)
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            expected[step] = model.weight.detach().clone()
+            assert checkpointer.save(step).state == "staged"
+            wait_durable(agent.url, run, step)
+        reserved_ahead = checkpointer._ahead
+        assert reserved_ahead is not None
+        assert _reservations(agent.log) == 1
+
+        agent.kill()
+        monkeypatch.setenv("TIERCKPT_MEMORY__DIR", str(tmp_path / "another-arena"))
+        agent.start()
+        assert Path(reserved_ahead.path).is_dir()  # the old arena's files remain
+
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        expected[3] = model.weight.detach().clone()
+        saved = checkpointer.save(3)
+        assert saved.state == "staged"  # in the new arena's memory, not on disk
+        assert _reservations(agent.log) == 2
+        segments = httpx.get(f"{agent.url}/v1/memory", timeout=10).json()["segments"]
+        assert all(Path(s["path"]).is_relative_to(tmp_path / "another-arena") for s in segments), (
+            segments
+        )
+        for step in expected:
+            wait_durable(agent.url, run, step)
+            weights = load_file(str(ssd / run / f"step-{step}" / "model.safetensors"))
+            assert torch.equal(weights["weight"], expected[step]), step
+
+
+def test_a_replayed_step_through_the_segment_reserved_ahead_goes_to_disk(
+    start_agent: AgentFactory,  # noqa: F811
+) -> None:
+    """A trainer killed after reserving step 5 and before staging it leaves
+    that reservation until its lease ends. Restarted from step 3, the trainer
+    saves 4 (reserving ahead) and replays 5 into the segment reserved ahead:
+    the agent refuses that step (409 `segment_exists`), the save writes to
+    disk instead and registers there, and the segment it did not use is
+    given back. The next save reserves anew; nothing is lost."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    agent, ssd = start_agent(memory={"bytes": 64 << 20}, local={"keep_last": 10})
+    run = "ahead-replayed"
+    expected: dict[int, Any] = {}
+    with CheckpointClient(agent.url) as client:
+        checkpointer = TorchCheckpointer(client, run, ssd, model=model, node=NODE)
+        # The killed trainer's reservation (its sizes do not matter: its step does).
+        leftover = client.reserve_segment(run, 5, {"model.safetensors": 4096})
+        states = {}
+        for step in (4, 5, 6):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            expected[step] = model.weight.detach().clone()
+            saved = checkpointer.save(step)
+            states[step] = saved.state
+            if step == 4:
+                assert saved.next_segment is not None
+                unused = saved.next_segment.id
+        assert states == {4: "staged", 5: "registered", 6: "staged"}, states
+        # The leftover, the save of step 4, and step 6's (step 5's was refused).
+        assert _reservations(agent.log) == 3
+        segments = {
+            s["id"]: s for s in httpx.get(f"{agent.url}/v1/memory", timeout=10).json()["segments"]
+        }
+        assert unused not in segments  # given back, not left to its lease
+        assert segments[leftover.id]["state"] == "reserved"
+        for step in expected:
+            wait_durable(agent.url, run, step)
+            weights = load_file(str(ssd / run / f"step-{step}" / "model.safetensors"))
+            assert torch.equal(weights["weight"], expected[step]), step
