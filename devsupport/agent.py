@@ -53,6 +53,23 @@ class Agent:
         inbox = self.process.inbox
         assert inbox is None or await inbox.settled(run, timeout=30)
 
+    async def wait_on_t0(self, directory: Path, timeout: float = 30) -> None:
+        """Wait for a memory-staged checkpoint's T0 directory: written once its
+        upload has ended (service/memory/upload_first.py), renamed into place
+        whole, and its segment marked persisted."""
+        memory = self.process.memory
+
+        def written() -> bool:
+            staged = memory.arena.staged() if memory is not None else []
+            pending = any((s.registration or {}).get("path") == str(directory) for s in staged)
+            return directory.is_dir() and not pending
+
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not written():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"{directory} not written to T0 in {timeout} s")
+            await asyncio.sleep(0.02)
+
     async def wait_state(
         self,
         run: str,

@@ -406,6 +406,14 @@ class MemorySettings(BaseModel):
     lease_seconds: float = Field(600.0, ge=1)
     """A reserved segment not registered within this long (its trainer died
     mid-copy) is reclaimed."""
+    t0_wait_seconds: float = Field(60.0, ge=0, le=3600)
+    """How long a staged checkpoint's T0 write waits for its upload (from the
+    segment) to end: the upload, the copy that makes it durable, then has
+    the node's disk, CPUs and memory bandwidth to itself. Past this, or as
+    soon as a reservation finds the arena full, it is written at once. 0:
+    written at once, during the upload. Until T0 holds it, a node that
+    reboots loses a checkpoint that is not durable yet (a killed trainer or
+    agent does not: the segment is a file)."""
     persist_nice: int = Field(10, ge=0, le=19)
     """Niceness of the thread that writes staged segments to T0: when the
     CPUs are busy, the upload of the same checkpoint (the copy that makes it

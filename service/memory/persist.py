@@ -1,14 +1,14 @@
 """Registering staged segments as a disk save would, and writing them to T0.
 
-One segment at a time (T0's bandwidth is the limit, not the CPU). First the
-registration, through the registration writer's group commit (the code path
-of ``POST /v1/checkpoints``), with the segment's listing as that of the T0
-path it will have: the upload job starts at once and reads the files from
-the segment (service.py, ``open_file``), so the upload does not wait for
-the T0 copy. Then the files are copied into a hidden sibling of that T0
-path, given the segment files' mtimes (the registered ones), fsynced, and
-the directory renamed into place: T0 shows all or nothing, as a trainer's
-own save does.
+First the registration, through the registration writer's group commit
+(the code path of ``POST /v1/checkpoints``), with the segment's listing as
+that of the T0 path it will have: the upload job starts at once and reads
+the files from the segment (service.py, ``open_file``). Then, once that
+upload has ended (upload_first.py says why, and what it risks), the files
+are copied into a hidden sibling of that T0 path, given the segment files'
+mtimes (the registered ones), fsynced, and the directory renamed into
+place: T0 shows all or nothing, as a trainer's own save does. One T0 write
+at a time (T0's bandwidth is the limit, not the CPU).
 
 Killed at any moment, the agent finds the segment still staged at restart
 (``persisted.json`` is written last), registers it again (the same listing:
@@ -38,13 +38,14 @@ from ..checkpoints.schemas import RegisterRequest
 from ..checkpoints.service import submit_scanned
 from ..errors import ApiError
 from ..resources import Resources
-from . import direct_copy
+from . import direct_copy, upload_first
 from .arena import Arena, Segment
 
 log = logging.getLogger("tierckpt.memory")
 
 PERSIST_PREFIX = ".tierckpt-persist-"
 RETRY_BASE, RETRY_MAX = 0.5, 30.0
+T0_POLL = 0.1
 
 
 class TargetTaken(Exception):
@@ -182,7 +183,8 @@ def _background_thread(niceness: int, cpus: frozenset[int]) -> None:
 
 
 class SegmentPersister:
-    """The agent's task that takes staged segments to T0 and the catalog."""
+    """The agent's task that takes staged segments to the catalog at once,
+    and to T0 once their upload has ended (upload_first.py)."""
 
     def __init__(
         self,
@@ -192,6 +194,7 @@ class SegmentPersister:
         keep_newest: bool,
         persist_nice: int = 0,
         cpus: frozenset[int] = frozenset(),
+        t0_wait_seconds: float = 0.0,
     ) -> None:
         self.resources = resources
         self.registrations = registrations
@@ -199,13 +202,25 @@ class SegmentPersister:
         self.keep_newest = keep_newest
         self.persist_nice = persist_nice
         self.cpus = cpus
+        self.t0_wait_seconds = t0_wait_seconds
         self._writer: ThreadPoolExecutor | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._not_before: dict[str, float] = {}
         self._failures: dict[str, int] = {}
+        # Segments registered in this agent's life -> when (monotonic); a
+        # restarted agent registers its staged ones again (answered as
+        # registered already) before it writes them.
+        self._registered: dict[str, float] = {}
+        self._pressed = False
 
     def wake(self) -> None:
+        self._wake.set()
+
+    def press(self) -> None:
+        """A reservation found the arena full: what waits for T0 goes now
+        (its memory is freed once T0 holds it)."""
+        self._pressed = True
         self._wake.set()
 
     def start(self) -> asyncio.Task[None]:
@@ -236,32 +251,88 @@ class SegmentPersister:
         while True:
             self._wake.clear()
             now = time.monotonic()
-            for segment in self.arena.staged():
-                if self._not_before.get(segment.id, 0.0) <= now:
-                    await self.persist(segment)
+            due = [s for s in self.arena.staged() if self._not_before.get(s.id, 0.0) <= now]
+            for segment in due:
+                if segment.id not in self._registered:
+                    await self.register(segment)
+            registered = [s for s in due if s.id in self._registered and s.state == "staged"]
+            for segment in await self._t0_due(registered):
+                await self.write(segment)
+            waiting = any(
+                s.id in self._registered and s.state == "staged" for s in self.arena.staged()
+            )
+            if not waiting:
+                self._pressed = False
             self.arena.reclaim_expired()
+            self._registered = {
+                k: v for k, v in self._registered.items() if k in self.arena.segments
+            }
             waits = [t - time.monotonic() for t in self._not_before.values()]
-            timeout = max(0.05, min([5.0, *waits]))
+            # While a T0 write waits for an upload, the catalog is asked
+            # again every T0_POLL seconds.
+            timeout = max(0.05, min([T0_POLL if waiting else 5.0, *waits]))
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
                 pass
 
-    async def persist(self, segment: Segment) -> None:
+    async def _t0_due(self, segments: list[Segment]) -> list[Segment]:
+        """Those of ``segments`` (registered) to write to T0 now: all when the
+        arena is pressed or waiting is off, else those whose upload ended or
+        whose wait is over (upload_first.py)."""
+        if self._pressed or self.t0_wait_seconds <= 0 or not segments:
+            return segments
+        now = time.monotonic()
+        waiting = [s for s in segments if now - self._registered[s.id] < self.t0_wait_seconds]
+        if not waiting:
+            return segments
+        try:
+            uploading = await self.resources.rows.read(
+                upload_first.still_uploading, [_shard(s) for s in waiting]
+            )
+        except Exception as exc:  # the catalog is down: T0 is the copy that does not need it
+            log.warning("memory tier: upload states not read (%s); writing to T0 now", exc)
+            return segments
+        held = {s.id for s in waiting if _shard(s) in uploading}
+        return [s for s in segments if s.id not in held]
+
+    async def register(self, segment: Segment) -> None:
+        """The segment's registration, as a save to its T0 path would make
+        it: its upload starts at once, reading the segment."""
         assert segment.registration is not None
         request = RegisterRequest.model_validate(segment.registration)
-        target, roots = Path(request.path), self.resources.settings.local.roots
+        target = Path(request.path)
         try:
             scanned = await asyncio.to_thread(scan_segment, segment, target)
             # No drain check: the agent accepted this checkpoint when it was staged.
             await submit_scanned(self.registrations, request, scanned)
+        except Exception as exc:
+            self._failed(segment, exc)
+            return
+        self._registered[segment.id] = time.monotonic()
+
+    async def write(self, segment: Segment) -> None:
+        """The registered segment's files to T0 (all or nothing, fsynced)."""
+        assert segment.registration is not None
+        request = RegisterRequest.model_validate(segment.registration)
+        target, roots = Path(request.path), self.resources.settings.local.roots
+        try:
             await asyncio.get_running_loop().run_in_executor(
                 self._writer, write_to_t0, segment, target, roots
             )
-        except (ApiError, TargetTaken) as exc:
-            if isinstance(exc, ApiError) and exc.status >= 500:
-                self._retry_later(segment, exc)
-                return
+        except Exception as exc:
+            self._failed(segment, exc)
+            return
+        self._not_before.pop(segment.id, None)
+        self._failures.pop(segment.id, None)
+        self.arena.mark_persisted(segment, request.path)
+        self.arena.free_older(segment, self.keep_newest)
+        log.debug("memory segment %s persisted to %s", segment.id, request.path)
+
+    def _failed(self, segment: Segment, exc: Exception) -> None:
+        """A refusal (4xx, TargetTaken) fails the segment; anything else (T0
+        full or unwritable, the catalog down) is tried again later."""
+        if isinstance(exc, TargetTaken) or (isinstance(exc, ApiError) and exc.status < 500):
             message = getattr(exc, "message", None) or str(exc)
             log.error(
                 "memory segment %s (%s step %d) not registered: %s",
@@ -272,14 +343,7 @@ class SegmentPersister:
             )
             self.arena.mark_failed(segment, message)
             return
-        except Exception as exc:  # T0 full or unwritable, catalog down: try again later
-            self._retry_later(segment, exc)
-            return
-        self._not_before.pop(segment.id, None)
-        self._failures.pop(segment.id, None)
-        self.arena.mark_persisted(segment, request.path)
-        self.arena.free_older(segment, self.keep_newest)
-        log.debug("memory segment %s persisted to %s", segment.id, request.path)
+        self._retry_later(segment, exc)
 
     def _retry_later(self, segment: Segment, exc: BaseException) -> None:
         failures = self._failures.get(segment.id, 0) + 1
@@ -295,3 +359,8 @@ class SegmentPersister:
             delay,
             exc,
         )
+
+
+def _shard(segment: Segment) -> upload_first.Shard:
+    assert segment.step is not None
+    return (segment.run, segment.step, segment.rank)

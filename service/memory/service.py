@@ -104,6 +104,7 @@ class MemoryTier:
             settings.memory.keep_newest,
             settings.memory.persist_nice,
             settings.worker.cpu_set,
+            settings.memory.t0_wait_seconds,
         )
 
     def open(self) -> None:
@@ -155,6 +156,10 @@ class MemoryTier:
             segment = self.arena.reserve(
                 request.run, request.step, request.rank, request.world_size, files
             )
+        except MemoryFull as exc:
+            if exc.code != "segment_too_large":  # room frees once T0 holds what waits
+                self.persister.press()
+            raise
         except OSError as exc:  # the arena's file system refused (full, gone)
             raise MemoryFull(
                 f"the memory tier could not create the segment ({exc.strerror}); "

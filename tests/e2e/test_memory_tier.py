@@ -69,6 +69,16 @@ def wait_durable(url: str, run: str, step: int, timeout: float = 60) -> dict[str
         time.sleep(0.05)
 
 
+def on_t0(directory: Path, timeout: float = 60) -> Path:
+    """``directory`` once the agent wrote it to T0: after the checkpoint's
+    upload (service/memory/upload_first.py), renamed into place whole."""
+    deadline = time.monotonic() + timeout
+    while not directory.is_dir():
+        assert time.monotonic() < deadline, f"{directory} not written to T0"
+        time.sleep(0.02)
+    return directory
+
+
 def test_trainer_killed_after_save_resumes_from_memory_bit_identical(
     start_agent: AgentFactory,  # noqa: F811
     tmp_path: Path,
@@ -199,7 +209,7 @@ def test_agent_killed_while_persisting_finishes_after_restart(
 
     agent.start()
     done = wait_durable(agent.url, run, step)
-    assert _files_of(target) == {p: hashlib.sha256(d).hexdigest() for p, d in files.items()}
+    assert _files_of(on_t0(target)) == {p: hashlib.sha256(d).hexdigest() for p, d in files.items()}
     assert {f["path"]: f["sha256"] for f in done["files"]} == _files_of(target)
     assert sorted(p.name for p in (ssd / run).iterdir()) == ["step-1"]  # no leftover
     with CheckpointClient(agent.url) as client:
@@ -241,7 +251,7 @@ def test_full_arena_waits_or_goes_to_disk_and_loses_nothing(
         assert states[0] == "staged" and set(states) <= {"staged", "registered"}, states
     for step in range(1, 7):
         wait_durable(agent.url, run, step)
-        weights = load_file(str(ssd / run / f"step-{step}" / "model.safetensors"))
+        weights = load_file(str(on_t0(ssd / run / f"step-{step}") / "model.safetensors"))
         assert torch.equal(weights["weight"], expected[step]), step
     info = httpx.get(f"{agent.url}/v1/memory", timeout=10).json()
     assert info["used"] <= info["bytes"]
@@ -327,7 +337,7 @@ def test_each_save_after_the_first_is_one_call_into_the_segment_reserved_ahead(
         assert _reservations(agent.log) == 2
         for step in expected:
             wait_durable(agent.url, run, step)
-            weights = load_file(str(ssd / run / f"step-{step}" / "model.safetensors"))
+            weights = load_file(str(on_t0(ssd / run / f"step-{step}") / "model.safetensors"))
             assert torch.equal(weights["weight"], expected[step]), step
         restored = TorchCheckpointer(client, run, ssd, model=torch.nn.Linear(128, 128), node=NODE)
         assert restored.restore_latest() == 60
@@ -357,6 +367,7 @@ def test_a_segment_reserved_ahead_that_the_agent_no_longer_knows_is_reserved_ane
             expected[step] = model.weight.detach().clone()
             assert checkpointer.save(step).state == "staged"
             wait_durable(agent.url, run, step)
+            on_t0(ssd / run / f"step-{step}")  # nothing of it left for the old arena
         reserved_ahead = checkpointer._ahead
         assert reserved_ahead is not None
         assert _reservations(agent.log) == 1
@@ -378,7 +389,7 @@ def test_a_segment_reserved_ahead_that_the_agent_no_longer_knows_is_reserved_ane
         )
         for step in expected:
             wait_durable(agent.url, run, step)
-            weights = load_file(str(ssd / run / f"step-{step}" / "model.safetensors"))
+            weights = load_file(str(on_t0(ssd / run / f"step-{step}") / "model.safetensors"))
             assert torch.equal(weights["weight"], expected[step]), step
 
 
@@ -420,5 +431,5 @@ def test_a_replayed_step_through_the_segment_reserved_ahead_goes_to_disk(
         assert segments[leftover.id]["state"] == "reserved"
         for step in expected:
             wait_durable(agent.url, run, step)
-            weights = load_file(str(ssd / run / f"step-{step}" / "model.safetensors"))
+            weights = load_file(str(on_t0(ssd / run / f"step-{step}") / "model.safetensors"))
             assert torch.equal(weights["weight"], expected[step]), step

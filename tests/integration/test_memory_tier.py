@@ -52,8 +52,10 @@ async def test_staged_segment_is_written_to_t0_and_becomes_durable(
         assert staged["checkpoint"]["state"] == "staged"
         assert staged["checkpoint"]["metrics"] == {"loss": 0.5}
 
-        done = await agent.wait_state("mem", 1)
+        await agent.wait_state("mem", 1)
         target = staged["target"]
+        await agent.wait_on_t0(target)
+        done = (await agent.http.get("/v1/runs/mem/checkpoints/1")).json()
         for relative, data in FILES.items():
             assert (target / relative).read_bytes() == data
         assert {f["path"] for f in done["files"]} == set(FILES)
@@ -65,8 +67,9 @@ async def test_staged_segment_is_written_to_t0_and_becomes_durable(
         assert tiers == {"memory", "t0", "region"}, done["copies"]
 
         # A newer one persisted frees the older segment.
-        await stage(agent, "mem", 2)
+        second = await stage(agent, "mem", 2)
         await agent.wait_state("mem", 2)
+        await agent.wait_on_t0(second["target"])
         segments = (await agent.http.get("/v1/memory")).json()["segments"]
         assert [(s["step"], s["state"]) for s in segments] == [(2, "persisted")]
         assert not await asyncio.to_thread(os.path.exists, staged["segment"]["path"])
@@ -246,6 +249,7 @@ async def test_restarted_agent_persists_what_an_earlier_life_staged(
     async with running_agent(catalog_url, tmp_path, ssd=ssd, memory={"bytes": 10 << 20}) as agent:
         done = await agent.wait_state("again", 5)
         assert done["state"] == "durable"
+        await agent.wait_on_t0(ssd / "again" / "step-5")
         assert (ssd / "again" / "step-5" / "model.bin").read_bytes() == FILES["model.bin"]
         assert not leftover.exists()
         await asyncio.sleep(0)

@@ -83,6 +83,7 @@ async def test_the_next_save_stages_into_the_segment_reserved_with_the_last(
 
         done = await agent.wait_state("ahead", 250)
         target = agent.ssd / "ahead" / "step-250"
+        await agent.wait_on_t0(target)
         for relative, data in second.items():
             assert (target / relative).read_bytes() == data
         assert {f["path"]: f["size"] for f in done["files"]} == {
@@ -113,6 +114,7 @@ async def test_a_retried_stage_gets_the_same_reservation_and_a_restart_keeps_the
     async with running_agent(catalog_url, tmp_path, memory={"bytes": 10 << 20}) as agent:
         for step in (1, 2):
             assert (await agent.wait_state("retry", step))["state"] == "durable"
+        await agent.wait_on_t0(agent.ssd / "retry" / "step-2")
         assert (agent.ssd / "retry" / "step-2" / "model.bin").read_bytes() == FILES["model.bin"]
 
 
@@ -124,7 +126,8 @@ async def test_no_room_means_no_reservation_ahead_and_no_copy_evicted(
         kept = await _reserve(agent, "kept", 1, big)
         _write(kept, big)
         assert (await _stage(agent, kept, "kept", 1)).status_code == 202
-        await agent.wait_state("kept", 1)  # persisted, kept in memory as the newest
+        await agent.wait_state("kept", 1)
+        await agent.wait_on_t0(agent.ssd / "kept" / "step-1")  # kept in memory as the newest
         segment = await _reserve(agent, "small", 1, small)
         _write(segment, small)
         staged = await _stage(agent, segment, "small", 1, reserve_next=True)

@@ -1,0 +1,107 @@
+"""A staged segment is written to T0 once its upload has ended
+(service/memory/upload_first.py): not while the upload still has to run
+(for at most ``[memory] t0_wait_seconds``), at once when the upload ends,
+and at once when a reservation finds the arena full. In process, on SQLite
+and PostgreSQL; where the upload must not end, its region is a store that
+refuses connections (the upload retries, as it would through an outage)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from devsupport.agent import Agent, running_agent, s3_region
+from devsupport.processes import free_port
+
+FILES = {"model.bin": os.urandom(600_000), "state.json": b'{"step": 1}\n'}
+
+
+async def _stage(agent: Agent, run: str, step: int) -> Path:
+    """Reserve, write and stage one segment; its T0 directory."""
+    files = [{"path": p, "size": len(d)} for p, d in FILES.items()]
+    reserved = await agent.http.post(
+        "/v1/memory/segments", json={"run": run, "step": step, "files": files}
+    )
+    assert reserved.status_code == 201, reserved.text
+    segment: dict[str, Any] = reserved.json()
+    for relative, data in FILES.items():
+        (Path(segment["path"]) / relative).write_bytes(data)
+    target = agent.ssd / run / f"step-{step}"
+    staged = await agent.http.post(
+        f"/v1/memory/segments/{segment['id']}/register",
+        json={"run": run, "step": step, "path": str(target)},
+    )
+    assert staged.status_code == 202, staged.text
+    return target
+
+
+def _down(tmp_path: Path) -> dict[str, Any]:
+    """Agent arguments: its only region a store nobody listens for, each
+    request tried once and the upload's job retried all along the test (and
+    not waited for at the agent's exit)."""
+    region = s3_region("down", f"http://127.0.0.1:{free_port()}", "bucket")
+    return {
+        "regions": [{**region, "request_attempts": 1}],
+        "worker": {"max_attempts": 1000, "shutdown_timeout": 0.5},
+    }
+
+
+def _holds(target: Path) -> bool:
+    return all((target / p).is_file() and (target / p).read_bytes() == d for p, d in FILES.items())
+
+
+async def test_the_t0_write_waits_for_the_upload_until_its_wait_is_over(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    memory = {"bytes": 10 << 20, "t0_wait_seconds": 3}
+    async with running_agent(catalog_url, tmp_path, memory=memory, **_down(tmp_path)) as agent:
+        began = time.monotonic()
+        target = await _stage(agent, "held", 1)
+        await agent.wait_state("held", 1, ("registered", "uploading"))
+        await asyncio.sleep(0.5)
+        # Registered (its upload started), not on T0: the upload has not ended.
+        assert not target.exists()
+        await agent.wait_on_t0(target)
+        assert time.monotonic() - began >= 3
+        assert await asyncio.to_thread(_holds, target)
+
+
+async def test_the_t0_write_follows_the_end_of_the_upload(catalog_url: str, tmp_path: Path) -> None:
+    memory = {"bytes": 10 << 20, "t0_wait_seconds": 600}
+    async with running_agent(catalog_url, tmp_path, memory=memory) as agent:
+        target = await _stage(agent, "follows", 1)
+        await agent.wait_state("follows", 1)
+        # Far sooner than the wait: the upload's end sent it.
+        await agent.wait_on_t0(target, timeout=20)
+        assert await asyncio.to_thread(_holds, target)
+
+
+async def test_no_wait_writes_t0_at_once(catalog_url: str, tmp_path: Path) -> None:
+    memory = {"bytes": 10 << 20, "t0_wait_seconds": 0}
+    async with running_agent(catalog_url, tmp_path, memory=memory, **_down(tmp_path)) as agent:
+        target = await _stage(agent, "at-once", 1)
+        await agent.wait_on_t0(target, timeout=20)
+        state = (await agent.http.get("/v1/runs/at-once/checkpoints/1")).json()["state"]
+        assert state in ("registered", "uploading")
+
+
+async def test_a_full_arena_sends_what_waits_to_t0_at_once(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    memory = {"bytes": 1_000_000, "t0_wait_seconds": 600}
+    async with running_agent(catalog_url, tmp_path, memory=memory, **_down(tmp_path)) as agent:
+        first = await _stage(agent, "full", 1)
+        await agent.wait_state("full", 1, ("registered", "uploading"))
+        files = [{"path": p, "size": len(d)} for p, d in FILES.items()]
+        body = {"run": "full", "step": 2, "files": files}
+        refused = await agent.http.post("/v1/memory/segments", json=body)
+        assert refused.status_code == 507, refused.text
+        assert refused.json()["error"]["code"] == "memory_full"
+        # The refusal sent step 1 to T0 without waiting for its upload ...
+        await agent.wait_on_t0(first, timeout=20)
+        assert await asyncio.to_thread(_holds, first)
+        # ... which frees its room for the save that waits.
+        assert (await agent.http.post("/v1/memory/segments", json=body)).status_code == 201
