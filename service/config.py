@@ -381,8 +381,8 @@ def default_memory_bytes() -> int:
 class MemorySettings(BaseModel):
     """The memory tier (M), above T0: a shared-memory arena the agent owns.
     A trainer copies its state into a segment there, registers it and goes
-    on; the agent registers it as usual, uploads it from memory and writes it
-    to T0 (fsync, rename) meanwhile."""
+    on; the agent registers it as usual, uploads it from memory and then
+    writes it to T0 (fsync, rename)."""
 
     bytes: int = Field(default_factory=default_memory_bytes, ge=0)
     """Budget of the arena in bytes: the segments it holds, plus the files of

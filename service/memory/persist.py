@@ -256,8 +256,13 @@ class SegmentPersister:
                 if segment.id not in self._registered:
                     await self.register(segment)
             registered = [s for s in due if s.id in self._registered and s.state == "staged"]
-            for segment in await self._t0_due(registered):
-                await self.write(segment)
+            states = await self._states(registered)
+            for segment in self._t0_due(registered, states):
+                state = states.get(_shard(segment))
+                if state is not None and state.evicted:
+                    self._not_wanted(segment)
+                else:
+                    await self.write(segment)
             waiting = any(
                 s.id in self._registered and s.state == "staged" for s in self.arena.staged()
             )
@@ -276,25 +281,47 @@ class SegmentPersister:
             except TimeoutError:
                 pass
 
-    async def _t0_due(self, segments: list[Segment]) -> list[Segment]:
+    async def _states(
+        self, segments: list[Segment]
+    ) -> dict[upload_first.Shard, upload_first.ShardState]:
+        """The catalog's word on the shards of ``segments``; none when it
+        cannot be read (the catalog down: T0 is the copy that needs none)."""
+        if not segments:
+            return {}
+        try:
+            return await self.resources.rows.read(
+                upload_first.shard_states, [_shard(s) for s in segments]
+            )
+        except Exception as exc:
+            log.warning("memory tier: upload states not read (%s); writing to T0 now", exc)
+            return {}
+
+    def _t0_due(
+        self,
+        segments: list[Segment],
+        states: dict[upload_first.Shard, upload_first.ShardState],
+    ) -> list[Segment]:
         """Those of ``segments`` (registered) to write to T0 now: all when the
-        arena is pressed or waiting is off, else those whose upload ended or
-        whose wait is over (upload_first.py)."""
-        if self._pressed or self.t0_wait_seconds <= 0 or not segments:
+        arena is pressed or waiting is off, else those whose upload ended (or
+        is not known to run) or whose wait is over (upload_first.py)."""
+        if self._pressed or self.t0_wait_seconds <= 0:
             return segments
         now = time.monotonic()
-        waiting = [s for s in segments if now - self._registered[s.id] < self.t0_wait_seconds]
-        if not waiting:
-            return segments
-        try:
-            uploading = await self.resources.rows.read(
-                upload_first.still_uploading, [_shard(s) for s in waiting]
-            )
-        except Exception as exc:  # the catalog is down: T0 is the copy that does not need it
-            log.warning("memory tier: upload states not read (%s); writing to T0 now", exc)
-            return segments
-        held = {s.id for s in waiting if _shard(s) in uploading}
-        return [s for s in segments if s.id not in held]
+        due = []
+        for segment in segments:
+            state = states.get(_shard(segment))
+            waited = now - self._registered[segment.id]
+            if state is None or not state.uploading or waited >= self.t0_wait_seconds:
+                due.append(segment)
+        return due
+
+    def _not_wanted(self, segment: Segment) -> None:
+        """T0 eviction passed over the checkpoint (durable, beyond the newest
+        kept) before its T0 copy existed: none is written, the segment is freed."""
+        log.debug("memory segment %s: its T0 copy was evicted before it was written", segment.id)
+        self._not_before.pop(segment.id, None)
+        self._failures.pop(segment.id, None)
+        self.arena.release(segment.id)
 
     async def register(self, segment: Segment) -> None:
         """The segment's registration, as a save to its T0 path would make
@@ -322,6 +349,11 @@ class SegmentPersister:
             )
         except Exception as exc:
             self._failed(segment, exc)
+            return
+        state = (await self._states([segment])).get(_shard(segment))
+        if state is not None and state.evicted:  # marked during the write
+            await asyncio.to_thread(shutil.rmtree, target, True)
+            self._not_wanted(segment)
             return
         self._not_before.pop(segment.id, None)
         self._failures.pop(segment.id, None)

@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
+
 from devsupport.agent import Agent, running_agent, s3_region
 from devsupport.processes import free_port
+from tierckpt.service.checkpoints.tables import CHECKPOINTS, RUNS, SHARDS
 
 FILES = {"model.bin": os.urandom(600_000), "state.json": b'{"step": 1}\n'}
 
@@ -105,3 +108,43 @@ async def test_a_full_arena_sends_what_waits_to_t0_at_once(
         assert await asyncio.to_thread(_holds, first)
         # ... which frees its room for the save that waits.
         assert (await agent.http.post("/v1/memory/segments", json=body)).status_code == 201
+
+
+async def test_a_copy_evicted_before_it_reached_t0_is_not_written(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    """`[local] keep_last = 0`: a durable checkpoint's T0 copy is evicted at
+    once. Here the persister's loop is held until that eviction, which found
+    nothing to delete, has been recorded; then it must not write a T0 copy
+    that no eviction would ever remove again, and it frees the segment."""
+    memory = {"bytes": 10 << 20, "t0_wait_seconds": 600}
+    async with running_agent(catalog_url, tmp_path, memory=memory, local={"keep_last": 0}) as agent:
+        tier = agent.process.memory
+        assert tier is not None
+        await tier.persister.stop()
+        target = await _stage(agent, "evicted", 1)
+        [segment] = tier.arena.staged()
+        await tier.persister.register(segment)  # what its loop does first
+        await agent.wait_state("evicted", 1)
+        deadline = time.monotonic() + 30
+        while not await _evicted(agent, "evicted", 1):
+            assert time.monotonic() < deadline, "the T0 copy was never evicted"
+            await asyncio.sleep(0.05)
+        tier.persister.start()
+        tier.persister.wake()
+        while tier.arena.segments:
+            assert time.monotonic() < deadline, "the segment was never freed"
+            await asyncio.sleep(0.05)
+        assert not target.exists()
+        assert not list(agent.ssd.rglob(".tierckpt-persist-*"))  # nor a half-written one
+
+
+async def _evicted(agent: Agent, run: str, step: int) -> bool:
+    async with agent.resources.engine.connect() as connection:
+        found = await connection.execute(
+            select(SHARDS.c.evicted_at)
+            .join(CHECKPOINTS, CHECKPOINTS.c.id == SHARDS.c.checkpoint_id)
+            .join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+            .where(RUNS.c.name == run, CHECKPOINTS.c.step == step)
+        )
+        return found.scalar_one() is not None
