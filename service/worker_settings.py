@@ -33,20 +33,20 @@ class WorkerSettings(BaseModel):
     registration waiting for the lock would otherwise wait for a niced
     thread to be scheduled); that needs CAP_SYS_NICE, and without it the log
     says so once. 0: equal shares."""
-    cpus: str = "all"
+    cpus: str = "auto"
     """The CPUs the worker process and the memory tier's T0 writer may run
-    on. `all` (the default): any CPU the agent may use, so uploads go as
-    fast as the CPUs allow. A list such as `2`, `2-5` or `0,2,4-7` (Linux;
-    the kernel's list format, as `taskset -c` takes) names them: leave out
-    the trainer's cores. `auto`: the highest quarter of the CPUs the agent
-    may use, rounded up (its container's or job's cpuset; on 2 to 4 CPUs
-    the last one), none on a one-CPU agent: one setting for nodes of
-    different sizes. Confined, uploads, hashing and commits compete for
-    those cores with each other, not with the trainer's work; the agent's
-    requests and the registration writer run on any CPU. On a 2-CPU node
-    with an idle trainer, confining cost the uploads 10-23 % of their pace,
-    and registrations paced as trainers make them met a 10 ms p99 on SQLite
-    either way and were no faster on PostgreSQL (benchmarks/README.md).
+    on. `auto` (the default): the highest quarter of the CPUs the agent may
+    use, rounded up (its container's or job's cpuset; on 2 to 4 CPUs the
+    last one), none on a one-CPU agent: one setting for nodes of different
+    sizes. Confined, uploads, hashing and commits compete for those cores
+    with each other, not with the trainer's work nor with the calls on its
+    critical path: the agent's requests and the registration writer run on
+    any CPU. `all`: any CPU the agent may use, so uploads go as fast as the
+    CPUs allow, and registrations meet them there. A list such as `2`, `2-5`
+    or `0,2,4-7` (Linux; the kernel's list format, as `taskset -c` takes)
+    names them: leave out the trainer's cores. On 2-CPU machines confining
+    took the p99 of registrations paced as trainers make them to 0.45-0.86×
+    in most runs, for 0.77-1.04× of the uploads' pace (benchmarks/README.md).
     CPUs outside the agent's own set are ignored; none left is an error at
     start. An empty value means `all`."""
     concurrency: int = Field(4, ge=1, le=64)

@@ -47,11 +47,12 @@ at each round's start and end) grows by hundreds of jobs a round: a stress
 form, in which the registrations meet the worker's whole backlog. The paced
 streams meet the load's own work instead: on an agent of their own with the
 same load, the same two paths, one call every ``PACE_SECONDS``, a rate the
-worker keeps up with. Then once more with the background confined
-(``[worker] cpus = "auto"``: the highest quarter of the CPUs, on two the
-last), the rest left to the agent's requests, the trainers and the catalog:
-a configuration users choose, labelled apart, with its p99s and its
-uploads' pace as ratios to the default's. In every loaded mode the store's
+worker keeps up with. Every mode runs the agent's default, the background
+confined (``[worker] cpus = "auto"``: the highest quarter of the CPUs, on
+two the last), the rest left to the agent's requests, the trainers and the
+catalog; the paced streams run once more with the background on every CPU
+(``cpus = "all"``), labelled apart, the default's p99s and uploads' pace
+as ratios to that one's. In every loaded mode the store's
 threads run on that last quarter of the CPUs: it stands for a store on
 other machines, which takes none of the node's CPU; there it slows the
 uploads (which a remote store would not), not the calls.
@@ -123,11 +124,12 @@ BACKGROUND_CPUS = background_share(allowed_cpus())
 # load-other: the same load, registrations answered the other way ([catalog]
 # register_ack: "committed" on SQLite, "recorded" on PostgreSQL, where "auto",
 # the default, picks the other); paced: the same load on an agent of its own,
-# the timed calls paced; paced-confined: the same with `[worker] cpus =
-# "auto"`, the background on BACKGROUND_CPUS. (The worker in the agent's
+# the timed calls paced (every mode but paced-all with the default `[worker]
+# cpus = "auto"`: the background on BACKGROUND_CPUS); paced-all: the same with
+# `cpus = "all"`, the background on every CPU. (The worker in the agent's
 # process, compared here before, is in the README.)
-MODES = ("idle", "load", "load-other", "paced", "paced-confined")
-PACED_MODES = ("paced", "paced-confined")
+MODES = ("idle", "load", "load-other", "paced", "paced-all")
+PACED_MODES = ("paced", "paced-all")
 OTHER_ACK = {"SQLite": "committed", "PostgreSQL": "recorded"}
 
 
@@ -155,7 +157,7 @@ def _loaded_agent(
     *,
     worker: bool,
     register_ack: str = "auto",
-    worker_cpus: str = "all",
+    worker_cpus: str | None = None,
 ) -> Agent:
     east = s3_region("east", store)
     west = {**s3_region("west", store), "bucket": "bench-west"}
@@ -179,8 +181,12 @@ def _loaded_agent(
         name,
         worker=worker,
         regions=[east, west],
-        # The worker in its own process: the default.
-        worker_settings={"separate_process": "yes", "cpus": worker_cpus},
+        # The worker in its own process: the default; its CPUs the default's
+        # unless ``worker_cpus`` says otherwise.
+        worker_settings={
+            "separate_process": "yes",
+            **({"cpus": worker_cpus} if worker_cpus is not None else {}),
+        },
         **sections,
     )
 
@@ -654,9 +660,9 @@ def _paced_round(agent: Agent, base: Path, rep: int, count: int) -> dict[str, li
 def _confined_ratio(
     what: str, metric: str, ratio: float, note: str = "below 1: confining helps"
 ) -> dict[str, Any]:
-    """A row of the paced-confined mode's figure (`cpus = "auto"`) over the
-    paced one's (the default, `cpus = "all"`)."""
-    label = f'{what}, cpus = "auto" against the default cpus = "all"'
+    """A row of the paced mode's figure (the default, `cpus = "auto"`) over the
+    paced-all one's (`cpus = "all"`)."""
+    label = f'{what}, the default cpus = "auto" against cpus = "all"'
     return row(label, metric, "×", [ratio], note=note)
 
 
@@ -728,7 +734,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                         url,
                         worker=mode != "idle",
                         register_ack=OTHER_ACK[catalog_name] if mode == "load-other" else "auto",
-                        worker_cpus="auto" if mode == "paced-confined" else "all",
+                        worker_cpus="all" if mode == "paced-all" else None,
                     )
                     load: _Load | None = None
                     try:
@@ -785,8 +791,8 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "load-other": "under upload load, the other register_ack (SQLite: committed, "
         "PostgreSQL: recorded)",
         "paced": "under upload load (worker on, own process)",
-        "paced-confined": 'under upload load, [worker] cpus = "auto" (the background '
-        f"confined to CPU(s) {format_list(BACKGROUND_CPUS)})",
+        "paced-all": 'under upload load, [worker] cpus = "all" (the background on every '
+        "CPU, not the default)",
     }
     for catalog_name, per_mode in results.items():
         for call in ("register", "latest"):
@@ -818,7 +824,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     f"paced_{server}" if server else None,
                     target=call != "segment_stall",
                 )
-            all_p99, confined_p99 = (
+            confined_p99, all_p99 = (
                 percentile([percentile(r[f"paced_{call}"], 99) for r in per_mode[m]], 50)
                 for m in PACED_MODES
             )
@@ -845,7 +851,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     )
                 )
         if all(rates.values()):
-            all_rate, confined_rate = (percentile(rates[m], 50) for m in PACED_MODES)
+            confined_rate, all_rate = (percentile(rates[m], 50) for m in PACED_MODES)
             rows.append(
                 _confined_ratio(
                     f"{catalog_name} load checkpoints made durable",
@@ -919,7 +925,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         for mode, streams in (
             ("load", "back-to-back streams"),
             ("paced", "paced streams"),
-            ("paced-confined", "paced streams"),
+            ("paced-all", "paced streams"),
         ):
             for at in ("start", "end"):
                 values = [r[f"backlog_{at}"][0] for r in per_mode[mode] if r.get(f"backlog_{at}")]
@@ -993,12 +999,13 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "checkpoints a round leave the worker a backlog that grows from round to round "
         "(the worker backlog rows), and the agent, its worker and the store keep both cores "
         "busy with the timed client's own work.",
-        'paced, cpus = "auto": the same paced streams on an agent whose worker process and '
-        "memory tier's T0 writer are confined to CPU(s) "
+        'cpus: every agent but paced-all\'s runs with the default [worker] cpus = "auto": its '
+        "worker process and memory tier's T0 writer on CPU(s) "
         f"{format_list(BACKGROUND_CPUS)} of this machine (the highest quarter); the agent's "
         "requests, the timed client, the load's trainer process and PostgreSQL run on any "
-        "CPU. A configuration users choose, labelled apart; the ratio rows put its p99s and "
-        "its uploads' pace against the default's (every CPU). The store's threads run on "
+        'CPU. paced, cpus = "all": the same paced streams with the background on every CPU, '
+        "a configuration users choose, labelled apart; the ratio rows put the default's "
+        "p99s and its uploads' pace against that one's. The store's threads run on "
         f"CPU(s) {format_list(BACKGROUND_CPUS)} in every mode: it stands for a store on "
         "other machines, which takes none of the node's CPU; there it slows the uploads, "
         "as a remote store would not, rather than the calls.",

@@ -94,14 +94,14 @@ def test_auto_gives_the_background_the_highest_quarter_of_the_agents_cpus(
     assert cpu_affinity.background_share(frozenset(allowed)) == share
 
 
-def test_all_is_the_default_and_auto_takes_the_highest_quarter() -> None:
+def test_auto_is_the_default_and_takes_the_highest_quarter() -> None:
     mine = cpu_affinity.allowed_cpus()
-    assert WorkerSettings().cpus == "all" and WorkerSettings().cpu_set == frozenset()
+    assert WorkerSettings().cpus == "auto"
     for text in ("all", "All", "", "  "):
         settings = WorkerSettings(cpus=text)
         assert settings.cpus == "all" and settings.cpu_set == frozenset()
-    assert load_settings(environ={}).worker.cpu_set == frozenset()
-    auto = load_settings(environ={"TIERCKPT_WORKER__CPUS": "auto"}).worker.cpu_set
+    assert load_settings(environ={"TIERCKPT_WORKER__CPUS": "all"}).worker.cpu_set == frozenset()
+    auto = load_settings(environ={}).worker.cpu_set
     assert auto == cpu_affinity.background_share(mine)
     if len(mine) > 1:  # the background leaves the agent's requests a CPU
         assert auto < mine
