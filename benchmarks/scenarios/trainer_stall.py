@@ -274,9 +274,9 @@ def _measure_size(
             store_cpu[name].append((cpu_seconds(store_pid) - store_before) / gigabytes)
         state_bytes = done.total_bytes or state_bytes
         if staging == "memory":
-            # Its T0 copy is written once the upload has ended
-            # (service/memory/upload_first.py): waited for, so that it runs
-            # into no other variant's timing.
+            # Its T0 copy, written during the upload (or after it, with
+            # [memory] t0_wait_seconds: service/memory/upload_first.py), is
+            # waited for, so that it runs into no other variant's timing.
             _wait_on_t0(client, checkpointer.run, step)
             on_t0[name].append(time.time() - returned)
         # Durable: the T0 copy is not needed by the benchmark any more.
@@ -431,15 +431,15 @@ def _measure_size(
             f"{size}: save returned → durable",
             ("background", "s"),
             durable,
-            ("not a stall", "not a stall; the agent uploads from the segment, then writes T0"),
+            ("not a stall", "not a stall; the agent uploads from the segment while it writes T0"),
         ),
         row(
             f"{size}: save returned → on T0, memory staging",
             "background",
             "s",
             on_t0[MEMORY],
-            note="not a stall; written once the upload ended ([memory] t0_wait_seconds); "
-            "disk staging: on T0 when save returns",
+            note="not a stall; written during the upload ([memory] t0_wait_seconds = 0, "
+            "the default); disk staging: on T0 when save returns",
         ),
         *_memory_against_disk(
             f"{size}: the store's CPU from save returned to durable",
@@ -539,8 +539,8 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             "into place) and one register call; the upload to S3 happens in the agent "
             "afterwards. Memory staging: the stall is the copy into the agent's memory tier "
             "and one register call; the agent uploads it afterwards, from the segment, "
-            "and writes T0 once the upload has ended (the benchmark waits for that before "
-            "the next variant).",
+            "while it writes T0 (the benchmark waits for the T0 copy before the next "
+            "variant).",
             "DCP async_save's stall is until it returns (its copy into memory); its future "
             "completing (files written and fsynced by DCP's writer) is not a stall.",
             "The boto3 rows are measured on the first size only.",

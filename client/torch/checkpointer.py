@@ -78,7 +78,7 @@ class TorchCheckpointer:
     ``staging`` says where ``save`` puts the state before it returns:
     ``"memory"`` copies it into the agent's memory tier (a segment in its
     shared-memory arena, in the very files T0 gets) and registers it; the
-    agent uploads it and writes it to T0 afterwards. ``"disk"`` writes the
+    agent writes it to T0 and uploads it afterwards. ``"disk"`` writes the
     files to T0 (fsynced) and registers them. None (the default): memory
     when the agent has a memory tier, else disk. A save that does not fit in
     memory waits for room or is written to disk, as the agent's

@@ -3,10 +3,11 @@
 First the registration, through the registration writer's group commit
 (the code path of ``POST /v1/checkpoints``), with the segment's listing as
 that of the T0 path it will have: the upload job starts at once and reads
-the files from the segment (service.py, ``open_file``). Then, once that
-upload has ended (upload_first.py says why, and what it risks), the files
-are copied into a hidden sibling of that T0 path, given the segment files'
-mtimes (the registered ones), fsynced, and the directory renamed into
+the files from the segment (service.py, ``open_file``). Then (by default
+at once, during that upload; with ``[memory] t0_wait_seconds`` once it has
+ended: upload_first.py says why, and what it risks) the files are copied
+into a hidden sibling of that T0 path, given the segment files' mtimes
+(the registered ones), fsynced, and the directory renamed into
 place: T0 shows all or nothing, as a trainer's own save does. One T0 write
 at a time (T0's bandwidth is the limit, not the CPU).
 
@@ -184,7 +185,8 @@ def _background_thread(niceness: int, cpus: frozenset[int]) -> None:
 
 class SegmentPersister:
     """The agent's task that takes staged segments to the catalog at once,
-    and to T0 once their upload has ended (upload_first.py)."""
+    and to T0 (once their upload has ended, with ``t0_wait_seconds``:
+    upload_first.py)."""
 
     def __init__(
         self,
@@ -256,7 +258,10 @@ class SegmentPersister:
                 if segment.id not in self._registered:
                     await self.register(segment)
             registered = [s for s in due if s.id in self._registered and s.state == "staged"]
-            states = await self._states(registered)
+            # Read only where the writes may wait; a copy evicted meanwhile is
+            # caught after its write either way (``write``).
+            holds = self.t0_wait_seconds > 0 and not self._pressed
+            states = await self._states(registered) if holds else {}
             for segment in self._t0_due(registered, states):
                 state = states.get(_shard(segment))
                 if state is not None and state.evicted:

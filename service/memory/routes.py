@@ -57,8 +57,8 @@ async def register_segment(
     segment_id: str, body: StageRequest, agent: AgentDep, principal: PrincipalDep
 ) -> Response:
     """The segment's files are complete: record the registration (the
-    checkpoint is `staged`); the agent registers it, uploads it from memory,
-    then writes it to T0.
+    checkpoint is `staged`); the agent registers it, uploads it from memory
+    and writes it to T0.
     With `reserve_next`, the answer's `next_segment` is a segment of the same
     files reserved for the run's next save (null when the arena has no room
     for it without evicting a checkpoint's copy): that save writes into it

@@ -1,7 +1,9 @@
-"""A staged segment is written to T0 once its upload has ended
-(service/memory/upload_first.py): not while the upload still has to run
-(for at most ``[memory] t0_wait_seconds``), at once when the upload ends,
-and at once when a reservation finds the arena full. In process, on SQLite
+"""With ``[memory] t0_wait_seconds``, a staged segment is written to T0
+once its upload has ended (service/memory/upload_first.py): not while the
+upload still has to run (for at most that long), at once when the upload
+ends, and at once when a reservation finds the arena full; with 0, the
+default, at once. Either way, a T0 copy evicted before it was written is
+not written. In process, on SQLite
 and PostgreSQL; where the upload must not end, its region is a store that
 refuses connections (the upload retries, as it would through an outage)."""
 
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 
 from devsupport.agent import Agent, running_agent, s3_region
@@ -82,8 +85,10 @@ async def test_the_t0_write_follows_the_end_of_the_upload(catalog_url: str, tmp_
         assert await asyncio.to_thread(_holds, target)
 
 
-async def test_no_wait_writes_t0_at_once(catalog_url: str, tmp_path: Path) -> None:
-    memory = {"bytes": 10 << 20, "t0_wait_seconds": 0}
+async def test_by_default_t0_is_written_at_once_during_the_upload(
+    catalog_url: str, tmp_path: Path
+) -> None:
+    memory = {"bytes": 10 << 20}  # t0_wait_seconds = 0
     async with running_agent(catalog_url, tmp_path, memory=memory, **_down(tmp_path)) as agent:
         target = await _stage(agent, "at-once", 1)
         await agent.wait_on_t0(target, timeout=20)
@@ -110,14 +115,17 @@ async def test_a_full_arena_sends_what_waits_to_t0_at_once(
         assert (await agent.http.post("/v1/memory/segments", json=body)).status_code == 201
 
 
+@pytest.mark.parametrize("wait", [600, 0])
 async def test_a_copy_evicted_before_it_reached_t0_is_not_written(
-    catalog_url: str, tmp_path: Path
+    catalog_url: str, tmp_path: Path, wait: int
 ) -> None:
     """`[local] keep_last = 0`: a durable checkpoint's T0 copy is evicted at
     once. Here the persister's loop is held until that eviction, which found
     nothing to delete, has been recorded; then it must not write a T0 copy
-    that no eviction would ever remove again, and it frees the segment."""
-    memory = {"bytes": 10 << 20, "t0_wait_seconds": 600}
+    that no eviction would ever remove again, and it frees the segment:
+    waiting, it reads the mark before the write; not waiting (0), it writes,
+    reads the mark after, and removes the copy again."""
+    memory = {"bytes": 10 << 20, "t0_wait_seconds": wait}
     async with running_agent(catalog_url, tmp_path, memory=memory, local={"keep_last": 0}) as agent:
         tier = agent.process.memory
         assert tier is not None
