@@ -135,8 +135,9 @@ async def test_worker_cpus_confine_the_worker_process_and_the_t0_writer(
         source = write_checkpoint(agent.ssd / "step-1", {"model.bin": 300_000})
         assert (await agent.register("cpus-run", 1, source)).status_code == 202
         await agent.wait_state("cpus-run", 1)
-        await stage(agent, "cpus-mem", 1)
+        staged = await stage(agent, "cpus-mem", 1)
         await agent.wait_state("cpus-mem", 1)
+        await agent.wait_on_t0(staged["target"])  # the T0 writer has run
         threads = _threads_cpus(child.pid)
         assert len(threads) > 1 and set(threads.values()) == {background}, threads
         writers = [t for t in threading.enumerate() if t.name.startswith("memory-t0-writer")]
