@@ -438,8 +438,9 @@ def _measure_size(
             "background",
             "s",
             on_t0[MEMORY],
-            note="not a stall; written during the upload ([memory] t0_wait_seconds = 0, "
-            "the default); disk staging: on T0 when save returns",
+            note="not a stall; looked for once durable (written during the upload by "
+            "default: then this is durable + one 20 ms poll; with [memory] t0_wait_seconds, "
+            "after the upload); disk staging: on T0 when save returns",
         ),
         *_memory_against_disk(
             f"{size}: the store's CPU from save returned to durable",

@@ -345,6 +345,15 @@ def test_each_save_after_the_first_is_one_call_into_the_segment_reserved_ahead(
         assert torch.equal(restored.objects["model"].weight, expected[60])
 
 
+def _agent_and_model(start_agent: AgentFactory) -> tuple[Any, Path, Any]:  # noqa: F811
+    """An agent with a memory tier whose T0 keeps every step (each is read
+    back), and a small seeded model."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    agent, ssd = start_agent(memory={"bytes": 64 << 20}, local={"keep_last": 10})
+    return agent, ssd, model
+
+
 def test_a_segment_reserved_ahead_that_the_agent_no_longer_knows_is_reserved_anew(
     start_agent: AgentFactory,  # noqa: F811
     tmp_path: Path,
@@ -354,9 +363,7 @@ def test_a_segment_reserved_ahead_that_the_agent_no_longer_knows_is_reserved_ane
     changed) while the old one, with the segment reserved ahead, is still
     there: staging it answers 404 `segment_not_found`, and the save reserves
     a segment of the new arena, still in memory, the bytes its own."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 64)
-    agent, ssd = start_agent(memory={"bytes": 64 << 20}, local={"keep_last": 10})
+    agent, ssd, model = _agent_and_model(start_agent)
     run = "ahead-gone"
     expected: dict[int, Any] = {}
     with CheckpointClient(agent.url) as client:
@@ -402,9 +409,7 @@ def test_a_replayed_step_through_the_segment_reserved_ahead_goes_to_disk(
     the agent refuses that step (409 `segment_exists`), the save writes to
     disk instead and registers there, and the segment it did not use is
     given back. The next save reserves anew; nothing is lost."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 64)
-    agent, ssd = start_agent(memory={"bytes": 64 << 20}, local={"keep_last": 10})
+    agent, ssd, model = _agent_and_model(start_agent)
     run = "ahead-replayed"
     expected: dict[int, Any] = {}
     with CheckpointClient(agent.url) as client:
