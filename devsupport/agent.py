@@ -21,6 +21,7 @@ import httpx
 from tierckpt.service.agent import AgentProcess
 from tierckpt.service.app import create_app
 from tierckpt.service.config import Settings
+from tierckpt.service.memory.service import MemoryTier
 from tierckpt.service.migrate import upgrade
 from tierckpt.service.resources import Resources
 
@@ -52,6 +53,14 @@ class Agent:
         are in the catalog (for a test that reads the catalog itself)."""
         inbox = self.process.inbox
         assert inbox is None or await inbox.settled(run, timeout=30)
+
+    async def hold_persister(self) -> MemoryTier:
+        """Stop the memory tier's persister: nothing staged leaves memory (for
+        the catalog or T0) until the test starts it again. The memory tier."""
+        memory = self.process.memory
+        assert memory is not None, "the agent has no memory tier"
+        await memory.persister.stop()
+        return memory
 
     async def wait_on_t0(self, directory: Path, timeout: float = 30) -> None:
         """Wait for a memory-staged checkpoint's T0 directory: written once its

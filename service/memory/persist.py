@@ -262,7 +262,7 @@ class SegmentPersister:
             # caught after its write either way (``write``).
             holds = self.t0_wait_seconds > 0 and not self._pressed
             states = await self._states(registered) if holds else {}
-            for segment in self._t0_due(registered, states):
+            for segment in self._t0_due(registered, states) if holds else registered:
                 state = states.get(_shard(segment))
                 if state is not None and state.evicted:
                     self._not_wanted(segment)
@@ -280,7 +280,8 @@ class SegmentPersister:
             waits = [t - time.monotonic() for t in self._not_before.values()]
             # While a T0 write waits for an upload, the catalog is asked
             # again every T0_POLL seconds.
-            timeout = max(0.05, min([T0_POLL if waiting else 5.0, *waits]))
+            polling = waiting and self.t0_wait_seconds > 0
+            timeout = max(0.05, min([T0_POLL if polling else 5.0, *waits]))
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
@@ -306,11 +307,9 @@ class SegmentPersister:
         segments: list[Segment],
         states: dict[upload_first.Shard, upload_first.ShardState],
     ) -> list[Segment]:
-        """Those of ``segments`` (registered) to write to T0 now: all when the
-        arena is pressed or waiting is off, else those whose upload ended (or
-        is not known to run) or whose wait is over (upload_first.py)."""
-        if self._pressed or self.t0_wait_seconds <= 0:
-            return segments
+        """Those of ``segments`` (registered, their writes allowed to wait) to
+        write to T0 now: those whose upload ended (or is not known to run) or
+        whose wait is over (upload_first.py)."""
         now = time.monotonic()
         due = []
         for segment in segments:
@@ -324,9 +323,13 @@ class SegmentPersister:
         """T0 eviction passed over the checkpoint (durable, beyond the newest
         kept) before its T0 copy existed: none is written, the segment is freed."""
         log.debug("memory segment %s: its T0 copy was evicted before it was written", segment.id)
+        self._settled(segment)
+        self.arena.release(segment.id)
+
+    def _settled(self, segment: Segment) -> None:
+        """Its retries are over: it reached T0, or no T0 copy is wanted."""
         self._not_before.pop(segment.id, None)
         self._failures.pop(segment.id, None)
-        self.arena.release(segment.id)
 
     async def register(self, segment: Segment) -> None:
         """The segment's registration, as a save to its T0 path would make
@@ -360,8 +363,7 @@ class SegmentPersister:
             await asyncio.to_thread(shutil.rmtree, target, True)
             self._not_wanted(segment)
             return
-        self._not_before.pop(segment.id, None)
-        self._failures.pop(segment.id, None)
+        self._settled(segment)
         self.arena.mark_persisted(segment, request.path)
         self.arena.free_older(segment, self.keep_newest)
         log.debug("memory segment %s persisted to %s", segment.id, request.path)

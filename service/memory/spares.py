@@ -11,8 +11,8 @@ Spares count against the arena's budget like segments and are the first
 thing deleted when room is needed.
 
 An upload may still read a freed segment's file (it reads a checkpoint from
-memory, and the agent writes it to T0 and frees it before the upload ends
-when its wait for it runs out or the arena is full): it holds a shared ``flock`` on it
+memory while the agent writes it to T0, which may free the segment before
+the upload ends): it holds a shared ``flock`` on it
 (service.py, ``open_file``). A spare is only handed out under an exclusive
 one; one being read is left alone (the reservation gets a new file), since
 rewriting it would change the bytes under the upload. Deleting it is

@@ -83,9 +83,7 @@ async def test_node_scoped_latest_answers_the_staged_checkpoint(
     async with running_agent(catalog_url, tmp_path, memory={"bytes": 10 << 20}) as agent:
         await stage(agent, "node", 1)
         await agent.wait_state("node", 1)
-        memory = agent.process.memory
-        assert memory is not None
-        await memory.persister.stop()
+        memory = await agent.hold_persister()
         await stage(agent, "node", 2)
 
         durable = (await agent.http.get("/v1/runs/node/latest", params={"node": NODE})).json()
@@ -129,9 +127,7 @@ async def test_full_arena_answers_507_and_frees_space_as_segments_persist(
 ) -> None:
     big = {"a.bin": os.urandom(600_000)}
     async with running_agent(catalog_url, tmp_path, memory={"bytes": 1_000_000}) as agent:
-        memory = agent.process.memory
-        assert memory is not None
-        await memory.persister.stop()  # nothing leaves memory meanwhile
+        memory = await agent.hold_persister()  # nothing leaves memory meanwhile
         await stage(agent, "full", 1, big)
         refused = await agent.http.post(
             "/v1/memory/segments", json={"run": "full", "step": 2, "files": _sizes(big)}
@@ -238,9 +234,7 @@ async def test_restarted_agent_persists_what_an_earlier_life_staged(
 ) -> None:
     ssd = tmp_path / "ssd"
     async with running_agent(catalog_url, tmp_path, ssd=ssd, memory={"bytes": 10 << 20}) as agent:
-        memory = agent.process.memory
-        assert memory is not None
-        await memory.persister.stop()
+        await agent.hold_persister()
         staged = await stage(agent, "again", 5)
         # A half-done attempt of the earlier life: its hidden directory on T0.
         leftover = ssd / "again" / f".tierckpt-persist-{staged['segment']['id']}"
@@ -262,9 +256,7 @@ async def test_a_directory_swapped_for_a_symlink_is_not_followed(
     secret.mkdir()
     (secret / "state.json").write_bytes(b'{"secret": "x"}\n')  # same name and size
     async with running_agent(catalog_url, tmp_path, memory={"bytes": 10 << 20}) as agent:
-        memory = agent.process.memory
-        assert memory is not None
-        await memory.persister.stop()
+        memory = await agent.hold_persister()
         files = {"nested/state.json": b'{"step": 77}\n'}
         staged = await stage(agent, "swap", 1, files)
         data = Path(staged["segment"]["path"])

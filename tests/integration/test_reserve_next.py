@@ -97,9 +97,7 @@ async def test_a_retried_stage_gets_the_same_reservation_and_a_restart_keeps_the
     catalog_url: str, tmp_path: Path
 ) -> None:
     async with running_agent(catalog_url, tmp_path, memory={"bytes": 10 << 20}) as agent:
-        memory = agent.process.memory
-        assert memory is not None
-        await memory.persister.stop()  # nothing leaves memory meanwhile
+        await agent.hold_persister()  # nothing leaves memory meanwhile
         first = await _reserve(agent, "retry", 1, FILES)
         _write(first, FILES)
         answers = [await _stage(agent, first, "retry", 1, reserve_next=True) for _ in range(2)]
@@ -146,9 +144,7 @@ async def test_a_segment_reserved_ahead_is_refused_as_a_reservation_would_be(
     catalog_url: str, tmp_path: Path
 ) -> None:
     async with running_agent(catalog_url, tmp_path, memory={"bytes": 10 << 20}) as agent:
-        memory = agent.process.memory
-        assert memory is not None
-        await memory.persister.stop()
+        await agent.hold_persister()
         ahead = await _first_save(agent, "refuse", FILES)
         _write(ahead, FILES)
         other_run = await _stage(agent, ahead, "elsewhere", 2)
@@ -168,9 +164,7 @@ async def test_files_grown_past_the_budget_are_refused_and_the_segment_stays_res
 ) -> None:
     small = {"a.bin": os.urandom(300_000)}
     async with running_agent(catalog_url, tmp_path, memory={"bytes": 1_000_000}) as agent:
-        memory = agent.process.memory
-        assert memory is not None
-        await memory.persister.stop()
+        await agent.hold_persister()
         ahead = await _first_save(agent, "grow", small)
         _write(ahead, {"a.bin": os.urandom(800_000)})  # 300 000 staged + 800 000 > 1 000 000
         refused = await _stage(agent, ahead, "grow", 2)

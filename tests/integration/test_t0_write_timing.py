@@ -44,7 +44,7 @@ async def _stage(agent: Agent, run: str, step: int) -> Path:
     return target
 
 
-def _down(tmp_path: Path) -> dict[str, Any]:
+def _down() -> dict[str, Any]:
     """Agent arguments: its only region a store nobody listens for, each
     request tried once and the upload's job retried all along the test (and
     not waited for at the agent's exit)."""
@@ -63,7 +63,7 @@ async def test_the_t0_write_waits_for_the_upload_until_its_wait_is_over(
     catalog_url: str, tmp_path: Path
 ) -> None:
     memory = {"bytes": 10 << 20, "t0_wait_seconds": 3}
-    async with running_agent(catalog_url, tmp_path, memory=memory, **_down(tmp_path)) as agent:
+    async with running_agent(catalog_url, tmp_path, memory=memory, **_down()) as agent:
         began = time.monotonic()
         target = await _stage(agent, "held", 1)
         await agent.wait_state("held", 1, ("registered", "uploading"))
@@ -89,7 +89,7 @@ async def test_by_default_t0_is_written_at_once_during_the_upload(
     catalog_url: str, tmp_path: Path
 ) -> None:
     memory = {"bytes": 10 << 20}  # t0_wait_seconds = 0
-    async with running_agent(catalog_url, tmp_path, memory=memory, **_down(tmp_path)) as agent:
+    async with running_agent(catalog_url, tmp_path, memory=memory, **_down()) as agent:
         target = await _stage(agent, "at-once", 1)
         await agent.wait_on_t0(target, timeout=20)
         state = (await agent.http.get("/v1/runs/at-once/checkpoints/1")).json()["state"]
@@ -100,7 +100,7 @@ async def test_a_full_arena_sends_what_waits_to_t0_at_once(
     catalog_url: str, tmp_path: Path
 ) -> None:
     memory = {"bytes": 1_000_000, "t0_wait_seconds": 600}
-    async with running_agent(catalog_url, tmp_path, memory=memory, **_down(tmp_path)) as agent:
+    async with running_agent(catalog_url, tmp_path, memory=memory, **_down()) as agent:
         first = await _stage(agent, "full", 1)
         await agent.wait_state("full", 1, ("registered", "uploading"))
         files = [{"path": p, "size": len(d)} for p, d in FILES.items()]
@@ -127,9 +127,7 @@ async def test_a_copy_evicted_before_it_reached_t0_is_not_written(
     reads the mark after, and removes the copy again."""
     memory = {"bytes": 10 << 20, "t0_wait_seconds": wait}
     async with running_agent(catalog_url, tmp_path, memory=memory, local={"keep_last": 0}) as agent:
-        tier = agent.process.memory
-        assert tier is not None
-        await tier.persister.stop()
+        tier = await agent.hold_persister()
         target = await _stage(agent, "evicted", 1)
         [segment] = tier.arena.staged()
         await tier.persister.register(segment)  # what its loop does first
