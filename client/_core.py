@@ -97,19 +97,22 @@ class ClientCore:
 
     # -- sending -------------------------------------------------------------------
 
-    def _send(self, call: Call[T]) -> Flow[T]:
+    def _send(self, call: Call[T], retries: int | None = None) -> Flow[T]:
+        """``call``'s answer, retried ``retries`` times (the client's own by
+        default) after 429, 503 or no connection."""
+        attempts = self.retries if retries is None else retries
         attempt = 0
         while True:
             try:
                 response = yield _effects.Http(call)
             except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
-                delay = _api.retry_after(None, attempt, self.retries)
+                delay = _api.retry_after(None, attempt, attempts)
                 if delay is None:
                     raise error_from_transport(exc, self.base_url) from exc
             except httpx.RequestError as exc:
                 raise error_from_transport(exc, self.base_url) from exc
             else:
-                delay = _api.retry_after(response, attempt, self.retries)
+                delay = _api.retry_after(response, attempt, attempts)
                 if delay is None:
                     return _api.parse_response(call, response)
             attempt += 1
@@ -271,9 +274,11 @@ class ClientCore:
             _api.register_segment(segment_id, registration, reserve_next=reserve_next)
         )
 
-    def _release_segment(self, segment_id: str) -> Flow[None]:
-        """Give back a reserved segment that will not be registered."""
-        return self._send(_api.release_segment(segment_id))
+    def _release_segment(self, segment_id: str, retry: bool = True) -> Flow[None]:
+        """Give back a reserved segment that will not be registered. Without
+        ``retry``, one attempt (a trainer that is done need not wait for an
+        agent that is gone: the segment's lease reclaims it)."""
+        return self._send(_api.release_segment(segment_id), None if retry else 0)
 
     def _wait(
         self,

@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         emit("done", step=step, sha256=digest, loss=loss)
         return 0
     finally:
+        if checkpointer is not None:
+            checkpointer.close()
         if client is not None:
             client.close()
 

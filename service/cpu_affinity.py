@@ -4,15 +4,16 @@ Why: uploads keep cores busy (hashing, request signing, the kernel's
 copies), and niceness only orders the turns on a shared core; confining the
 background work to some cores leaves the others to the trainer's own work
 (its data loaders, its input pipeline), as nodes are set up for data loaders
-(Kubernetes' CPU manager, Slurm's cpusets do the same per job). It is not
-the default: on two cores with an idle trainer it slowed uploads by 10-23 %
-while registrations paced as trainers make them met their target without it
-on SQLite and were no faster with it on PostgreSQL (benchmarks/README.md).
+(Kubernetes' CPU manager, Slurm's cpusets do the same per job), and the
+agent's requests, which run on any CPU, find a core the uploads do not
+hold. It is the default (``auto``); what it costs the uploads' pace on
+small nodes, and what it buys the calls, is measured side by side in
+benchmarks/README.md.
 
 The setting is a CPU list as the kernel writes one (``2``, ``2-5``,
 ``0,2,4-7``), read by ``parse``; ``auto`` (``background_share``: the
-highest quarter of the agent's CPUs, none on a one-CPU agent); or ``all``,
-the default. Linux keeps an affinity per thread and a
+highest quarter of the agent's CPUs, none on a one-CPU agent; the
+default); or ``all``. Linux keeps an affinity per thread and a
 new thread inherits its creator's: the worker process applies it to its
 threads first thing (``confine_process``), before its event loop or any
 pool starts one, and the memory tier's T0 writer to itself

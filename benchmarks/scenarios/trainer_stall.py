@@ -27,6 +27,9 @@ Full mode measures two sizes (~600 MB and ~2 GB), quick mode one small one
 - For both: save returned → durable (the agent's ``durable_at`` minus the
   trainer's clock when ``save`` returned; one machine, one clock), waited
   for outside the timing. Target: memory staging no slower than disk.
+  Beside it, save called → durable (the stall added): how long after the
+  trainer decided to checkpoint a copy is in a region, labelled as not the
+  target's measure.
   Beside it, the store's CPU seconds per GB over the same time: on the
   benchmark machine the store shares the cores (a remote one would not),
   and its CPU per upload varies on its own.
@@ -209,6 +212,9 @@ def _measure_size(
     results: dict[str, list[float]] = {name: [] for name in names}
     dcp_done: list[float] = []
     durable: dict[str, list[float]] = {MEMORY: [], DISK: []}
+    # The same from the save's call: the stall plus the above, i.e. how long
+    # after the trainer decided to checkpoint the state is safe in a region.
+    from_call: dict[str, list[float]] = {MEMORY: [], DISK: []}
     # The store's CPU seconds per GB from the return to durable: on these two
     # cores it is the largest share of an upload's work, and it varies on its
     # own from one upload to the next; beside each save → durable it shows
@@ -260,6 +266,7 @@ def _measure_size(
     def staged_save(name: str, staging: str, step: int) -> None:
         nonlocal state_bytes
         checkpointer = checkpointers[staging]
+        called = time.time()
         began = time.perf_counter()
         checkpoint = checkpointer.save(step)
         results[name].append(time.perf_counter() - began)
@@ -270,6 +277,7 @@ def _measure_size(
         done = client.wait(checkpointer.run, step, state="durable", timeout=900, poll_interval=0.02)
         if done.durable_at is not None:
             durable[name].append(done.durable_at.timestamp() - returned)
+            from_call[name].append(done.durable_at.timestamp() - called)
             gigabytes = (done.total_bytes or tensor_bytes) / 1e9
             store_cpu[name].append((cpu_seconds(store_pid) - store_before) / gigabytes)
         state_bytes = done.total_bytes or state_bytes
@@ -359,6 +367,7 @@ def _measure_size(
         staged_save(MEMORY, "memory", warm_step)
         results[MEMORY].pop()
         durable[MEMORY].pop()
+        from_call[MEMORY].pop()
         store_cpu[MEMORY].pop()
         on_t0[MEMORY].pop()
     # Quick mode: one repetition (torch's import and the model are most of
@@ -433,6 +442,15 @@ def _measure_size(
             durable,
             ("not a stall", "not a stall; the agent uploads from the segment while it writes T0"),
         ),
+        *_memory_against_disk(
+            f"{size}: save called → durable",
+            ("background", "s"),
+            from_call,
+            (
+                "the stall + returned → durable: the trainer's decision to a copy in a region",
+                "the same; not the target's measure (that is from the return, above)",
+            ),
+        ),
         row(
             f"{size}: save returned → on T0, memory staging",
             "background",
@@ -482,6 +500,7 @@ def _measure_size(
         **{name: values for name, values in results.items()},
         "dcp_future_done": dcp_done,
         "returned_to_durable": durable,
+        "called_to_durable": from_call,
         "returned_to_t0_memory": on_t0[MEMORY],
         "store_cpu_seconds_per_gb": store_cpu,
         "boto3_upload_only": boto3_upload,

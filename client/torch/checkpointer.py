@@ -84,6 +84,10 @@ class TorchCheckpointer:
     memory waits for room or is written to disk, as the agent's
     ``[memory] when_full`` says; it is never dropped. ``send_hashes`` needs
     the files on disk, so it implies disk staging.
+
+    Between memory-staged saves the checkpointer holds a segment the agent
+    reserved for the next save; ``close()`` (or leaving a ``with`` block)
+    gives it back when training is over.
     """
 
     def __init__(
@@ -134,6 +138,24 @@ class TorchCheckpointer:
         self.state: TrainingState | None = None  # what the last restore loaded
         self._parent: int | None = None
         self._clean_leftovers()
+
+    def close(self) -> None:
+        """Give back what the checkpointer holds between saves: the segment
+        the agent reserved for the next save (else held until its lease
+        ends, the size of a whole state) and the mappings of the last saves'
+        segments (which keep their pages allocated after the agent frees
+        them). Saves before it are unaffected (the agent finishes them); a
+        save after it works and reserves anew. Idempotent."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._release(ahead.id, retry=False)
+        self._mappings.close()
+
+    def __enter__(self) -> TorchCheckpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def run_dir(self) -> Path:
@@ -392,9 +414,9 @@ class TorchCheckpointer:
             time.sleep(delay)
             delay = min(1.0, delay * 2)
 
-    def _release(self, segment_id: str) -> None:
+    def _release(self, segment_id: str, retry: bool = True) -> None:
         try:
-            self.client.release_segment(segment_id)
+            self.client.release_segment(segment_id, retry=retry)
         except TierckptError as exc:  # the lease reclaims it
             log.warning("memory segment %s not released: %s", segment_id, exc)
 

@@ -12,8 +12,9 @@ SeaweedFS, trainer processes, kill -9.
   (`"disk"`, or a state larger than the whole tier); none is lost.
 - The segment a save reserved ahead for the next one: used (one call per
   save), given back when half its lease is gone, reserved anew when the
-  agent no longer knows it, and given back when its step is refused (the
-  save then goes to disk).
+  agent no longer knows it, given back when its step is refused (the save
+  then goes to disk), and given back when the trainer closes its
+  checkpointer.
 """
 
 from __future__ import annotations
@@ -343,6 +344,46 @@ def test_each_save_after_the_first_is_one_call_into_the_segment_reserved_ahead(
         assert restored.restore_latest() == 60
         assert restored.restored is not None and restored.restored.source == "memory"
         assert torch.equal(restored.objects["model"].weight, expected[60])
+
+
+def _memory(url: str) -> dict[str, Any]:
+    answer = httpx.get(f"{url}/v1/memory", timeout=10)
+    answer.raise_for_status()
+    return dict(answer.json())
+
+
+def test_closing_the_checkpointer_gives_back_the_segment_reserved_ahead(
+    start_agent: AgentFactory,  # noqa: F811
+) -> None:
+    """A trainer that is done (``close``, or the end of a ``with`` block)
+    hands back the segment reserved for its next save at once instead of
+    leaving a state's worth of the arena held until the lease ends; the
+    checkpoints it saved are unaffected, and a save after ``close`` reserves
+    anew."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 128)
+    agent, ssd = start_agent(memory={"bytes": 64 << 20}, local={"keep_last": 10})
+    run = "closing"
+    with CheckpointClient(agent.url) as client:
+        with TorchCheckpointer(client, run, ssd, model=model, node=NODE) as checkpointer:
+            assert checkpointer.save(1).state == "staged"
+            ahead = [s for s in _memory(agent.url)["segments"] if s["step"] is None]
+            assert [s["state"] for s in ahead] == ["reserved"]
+        after = _memory(agent.url)
+        assert all(s["id"] != ahead[0]["id"] for s in after["segments"]), after
+        assert not Path(ahead[0]["path"]).exists()
+        checkpointer.close()  # idempotent: nothing more to give back
+
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        assert checkpointer.save(2).state == "staged"
+        assert _reservations(agent.log) == 2  # the first save's, and this one's
+        checkpointer.close()
+        for step in (1, 2):
+            wait_durable(agent.url, run, step)
+        weights = load_file(str(on_t0(ssd / run / "step-2") / "model.safetensors"))
+        assert torch.equal(weights["weight"], model.weight.detach())
+        assert not [s for s in _memory(agent.url)["segments"] if s["state"] == "reserved"]
 
 
 def _agent_and_model(start_agent: AgentFactory) -> tuple[Any, Path, Any]:  # noqa: F811

@@ -314,3 +314,26 @@ def test_retries_stop_after_the_budget(monkeypatch):
         with pytest.raises(ServerError):
             client.runs()
     assert len(waits) == 2
+
+
+def test_a_release_without_retry_is_one_attempt(monkeypatch):
+    """What a checkpointer gives back as training ends is asked once: an
+    agent gone or busy then reclaims it by its lease, and the trainer does
+    not wait through the retries' backoff to exit."""
+    import time as time_module
+
+    waits: list[float] = []
+    monkeypatch.setattr(time_module, "sleep", waits.append)
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(f"{request.method} {request.url.path}")
+        return error(503, "draining", "the agent is draining")
+
+    with CheckpointClient(BASE_URL, transport=httpx.MockTransport(handler), retries=3) as client:
+        with pytest.raises(ServerError):
+            client.release_segment("seg-1", retry=False)
+        assert asked == ["DELETE /v1/memory/segments/seg-1"] and waits == []
+        with pytest.raises(ServerError):
+            client.release_segment("seg-1")
+        assert len(asked) == 1 + 4 and len(waits) == 3
