@@ -64,6 +64,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -130,16 +131,20 @@ def _tensors(torch: Any, model: Any, optimizer: Any) -> list[Any]:
     return [tensor.detach().contiguous() for tensor in found]
 
 
-def _wait_on_t0(client: CheckpointClient, run: str, step: int, timeout: float = 300) -> None:
+def _wait_on_t0(client: CheckpointClient, run: str, step: int, timeout: float = 300) -> float:
     """Until the agent's memory tier holds no staged (not yet on T0) segment
-    of ``run`` step ``step``."""
+    of ``run`` step ``step``; when T0 held it (the segment's ``persisted_at``,
+    the agent's clock: asked only once durable, so that no poll of the memory
+    tier runs during the upload that is being timed)."""
     deadline = time.monotonic() + timeout
     while True:
         segments = client._http.get("/v1/memory").json()["segments"]
-        if not any(
-            s["run"] == run and s["step"] == step and s["state"] == "staged" for s in segments
-        ):
-            return
+        mine = [s for s in segments if s["run"] == run and s["step"] == step]
+        if not any(s["state"] == "staged" for s in mine):
+            persisted = [s["persisted_at"] for s in mine if s.get("persisted_at")]
+            if not persisted:
+                raise RuntimeError(f"{run} step {step}: no segment says when T0 held it")
+            return datetime.fromisoformat(persisted[0]).timestamp()
         if time.monotonic() > deadline:
             raise RuntimeError(f"{run} step {step} not written to T0 in {timeout} s")
         time.sleep(0.02)
@@ -285,8 +290,7 @@ def _measure_size(
             # Its T0 copy, written during the upload (or after it, with
             # [memory] t0_wait_seconds: service/memory/upload_first.py), is
             # waited for, so that it runs into no other variant's timing.
-            _wait_on_t0(client, checkpointer.run, step)
-            on_t0[name].append(time.time() - returned)
+            on_t0[name].append(_wait_on_t0(client, checkpointer.run, step) - returned)
         # Durable: the T0 copy is not needed by the benchmark any more.
         shutil.rmtree(checkpointer.path_of(step), ignore_errors=True)
 
@@ -456,9 +460,9 @@ def _measure_size(
             "background",
             "s",
             on_t0[MEMORY],
-            note="not a stall; looked for once durable (written during the upload by "
-            "default: then this is durable + one 20 ms poll; with [memory] t0_wait_seconds, "
-            "after the upload); disk staging: on T0 when save returns",
+            note="not a stall; the segment's persisted_at (written during the upload by "
+            "default; with [memory] t0_wait_seconds, after it); disk staging: on T0 when "
+            "save returns",
         ),
         *_memory_against_disk(
             f"{size}: the store's CPU from save returned to durable",

@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,16 @@ class Segment:
             "bytes": self.nbytes,
             "path": str(self.data),
             "t0_path": (self.registration or {}).get("path"),
+            # When T0 held the bytes (the agent's clock, to the microsecond).
+            "persisted_at": _iso_precise(self.persisted.get("at")) if self.persisted else None,
             "error": self.failed,
         }
+
+
+def _iso_precise(timestamp: float | None) -> str | None:
+    if timestamp is None:
+        return None
+    return datetime.fromtimestamp(timestamp, UTC).isoformat().replace("+00:00", "Z")
 
 
 class Arena:

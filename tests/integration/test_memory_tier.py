@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,15 @@ async def test_staged_segment_is_written_to_t0_and_becomes_durable(
         assert tiers == {"memory", "t0", "region"}, done["copies"]
 
         # A newer one persisted frees the older segment.
+        staged_at = datetime.now(UTC)
         second = await stage(agent, "mem", 2)
         await agent.wait_state("mem", 2)
         await agent.wait_on_t0(second["target"])
         segments = (await agent.http.get("/v1/memory")).json()["segments"]
         assert [(s["step"], s["state"]) for s in segments] == [(2, "persisted")]
+        # When T0 held it, on the agent's clock (this machine's).
+        persisted_at = datetime.fromisoformat(segments[0]["persisted_at"])
+        assert staged_at < persisted_at <= datetime.now(UTC)
         assert not await asyncio.to_thread(os.path.exists, staged["segment"]["path"])
 
 
