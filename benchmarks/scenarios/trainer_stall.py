@@ -131,20 +131,21 @@ def _tensors(torch: Any, model: Any, optimizer: Any) -> list[Any]:
     return [tensor.detach().contiguous() for tensor in found]
 
 
-def _wait_on_t0(client: CheckpointClient, run: str, step: int, timeout: float = 300) -> float:
+def _wait_on_t0(
+    client: CheckpointClient, run: str, step: int, timeout: float = 300
+) -> float | None:
     """Until the agent's memory tier holds no staged (not yet on T0) segment
     of ``run`` step ``step``; when T0 held it (the segment's ``persisted_at``,
     the agent's clock: asked only once durable, so that no poll of the memory
-    tier runs during the upload that is being timed)."""
+    tier runs during the upload that is being timed). None when the segment
+    is gone already (its room taken for a newer save): no figure then."""
     deadline = time.monotonic() + timeout
     while True:
         segments = client._http.get("/v1/memory").json()["segments"]
         mine = [s for s in segments if s["run"] == run and s["step"] == step]
         if not any(s["state"] == "staged" for s in mine):
             persisted = [s["persisted_at"] for s in mine if s.get("persisted_at")]
-            if not persisted:
-                raise RuntimeError(f"{run} step {step}: no segment says when T0 held it")
-            return datetime.fromisoformat(persisted[0]).timestamp()
+            return datetime.fromisoformat(persisted[0]).timestamp() if persisted else None
         if time.monotonic() > deadline:
             raise RuntimeError(f"{run} step {step} not written to T0 in {timeout} s")
         time.sleep(0.02)
@@ -290,7 +291,9 @@ def _measure_size(
             # Its T0 copy, written during the upload (or after it, with
             # [memory] t0_wait_seconds: service/memory/upload_first.py), is
             # waited for, so that it runs into no other variant's timing.
-            on_t0[name].append(_wait_on_t0(client, checkpointer.run, step) - returned)
+            persisted_at = _wait_on_t0(client, checkpointer.run, step)
+            if persisted_at is not None:
+                on_t0[name].append(persisted_at - returned)
         # Durable: the T0 copy is not needed by the benchmark any more.
         shutil.rmtree(checkpointer.path_of(step), ignore_errors=True)
 
@@ -369,11 +372,9 @@ def _measure_size(
     # before (three sets take turns: kept, staged, reserved ahead).
     for warm_step in (WARM_UP_STEP, WARM_UP_STEP + 1, WARM_UP_STEP + 2):
         staged_save(MEMORY, "memory", warm_step)
-        results[MEMORY].pop()
-        durable[MEMORY].pop()
-        from_call[MEMORY].pop()
-        store_cpu[MEMORY].pop()
-        on_t0[MEMORY].pop()
+    # Nothing else has run yet: what the memory lists hold is the warm-up's.
+    for values in (results, durable, from_call, store_cpu, on_t0):
+        values[MEMORY].clear()
     # Quick mode: one repetition (torch's import and the model are most of
     # this scenario's time, and the ratios are several-fold).
     reps = 1 if ctx.quick else ctx.reps
