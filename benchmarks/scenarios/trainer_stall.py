@@ -379,7 +379,13 @@ def _measure_size(
     # this scenario's time, and the ratios are several-fold).
     reps = 1 if ctx.quick else ctx.reps
     for rep in range(reps):
-        step = rep + 1
+        # Above the warm-up's steps, as a run's steps go: the memory tier
+        # keeps each run's newest persisted segment (the highest step), and
+        # each repetition's is then the one kept, as a trainer's last save
+        # is; with lower steps the warm-up's last stayed the newest, every
+        # repetition's segment was freed as it reached T0, and its
+        # persisted_at was gone before the on-T0 row could read it.
+        step = WARM_UP_STEP + 3 + rep
         # New bytes for this repetition's saves (outside every timing).
         _train_step(torch, model, optimizer, scheduler, width)
         for offset in range(len(variants)):
