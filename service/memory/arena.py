@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ..checkpoints.schemas import iso_timestamp
 from ..errors import ApiError, BadInput, Conflict, NotFound
 from ..whole_files import read_json, write_json_atomically
 from .spares import SparePool
@@ -96,16 +97,15 @@ class Segment:
             "bytes": self.nbytes,
             "path": str(self.data),
             "t0_path": (self.registration or {}).get("path"),
-            # When T0 held the bytes (the agent's clock, to the microsecond).
-            "persisted_at": _iso_precise(self.persisted.get("at")) if self.persisted else None,
+            # When T0 held the bytes (the agent's clock), as every timestamp
+            # the API gives.
+            "persisted_at": (
+                iso_timestamp(datetime.fromtimestamp(self.persisted["at"], UTC))
+                if self.persisted
+                else None
+            ),
             "error": self.failed,
         }
-
-
-def _iso_precise(timestamp: float | None) -> str | None:
-    if timestamp is None:
-        return None
-    return datetime.fromtimestamp(timestamp, UTC).isoformat().replace("+00:00", "Z")
 
 
 class Arena:

@@ -56,6 +56,12 @@ def detail(url: str, run: str, step: int) -> dict[str, Any]:
     return dict(answer.json())
 
 
+def memory_info(url: str) -> dict[str, Any]:
+    answer = httpx.get(f"{url}/v1/memory", timeout=10)
+    answer.raise_for_status()
+    return dict(answer.json())
+
+
 def wait_durable(url: str, run: str, step: int, timeout: float = 60) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
@@ -254,7 +260,7 @@ def test_full_arena_waits_or_goes_to_disk_and_loses_nothing(
         wait_durable(agent.url, run, step)
         weights = load_file(str(on_t0(ssd / run / f"step-{step}") / "model.safetensors"))
         assert torch.equal(weights["weight"], expected[step]), step
-    info = httpx.get(f"{agent.url}/v1/memory", timeout=10).json()
+    info = memory_info(agent.url)
     assert info["used"] <= info["bytes"]
 
 
@@ -346,12 +352,6 @@ def test_each_save_after_the_first_is_one_call_into_the_segment_reserved_ahead(
         assert torch.equal(restored.objects["model"].weight, expected[60])
 
 
-def _memory(url: str) -> dict[str, Any]:
-    answer = httpx.get(f"{url}/v1/memory", timeout=10)
-    answer.raise_for_status()
-    return dict(answer.json())
-
-
 def test_closing_the_checkpointer_gives_back_the_segment_reserved_ahead(
     start_agent: AgentFactory,  # noqa: F811
 ) -> None:
@@ -367,9 +367,9 @@ def test_closing_the_checkpointer_gives_back_the_segment_reserved_ahead(
     with CheckpointClient(agent.url) as client:
         with TorchCheckpointer(client, run, ssd, model=model, node=NODE) as checkpointer:
             assert checkpointer.save(1).state == "staged"
-            ahead = [s for s in _memory(agent.url)["segments"] if s["step"] is None]
+            ahead = [s for s in memory_info(agent.url)["segments"] if s["step"] is None]
             assert [s["state"] for s in ahead] == ["reserved"]
-        after = _memory(agent.url)
+        after = memory_info(agent.url)
         assert all(s["id"] != ahead[0]["id"] for s in after["segments"]), after
         assert not Path(ahead[0]["path"]).exists()
         checkpointer.close()  # idempotent: nothing more to give back
@@ -383,7 +383,7 @@ def test_closing_the_checkpointer_gives_back_the_segment_reserved_ahead(
             wait_durable(agent.url, run, step)
         weights = load_file(str(on_t0(ssd / run / "step-2") / "model.safetensors"))
         assert torch.equal(weights["weight"], model.weight.detach())
-        assert not [s for s in _memory(agent.url)["segments"] if s["state"] == "reserved"]
+        assert not [s for s in memory_info(agent.url)["segments"] if s["state"] == "reserved"]
 
 
 def _agent_and_model(start_agent: AgentFactory) -> tuple[Any, Path, Any]:  # noqa: F811
@@ -431,7 +431,7 @@ def test_a_segment_reserved_ahead_that_the_agent_no_longer_knows_is_reserved_ane
         saved = checkpointer.save(3)
         assert saved.state == "staged"  # in the new arena's memory, not on disk
         assert _reservations(agent.log) == 2
-        segments = httpx.get(f"{agent.url}/v1/memory", timeout=10).json()["segments"]
+        segments = memory_info(agent.url)["segments"]
         assert all(Path(s["path"]).is_relative_to(tmp_path / "another-arena") for s in segments), (
             segments
         )
@@ -470,9 +470,7 @@ def test_a_replayed_step_through_the_segment_reserved_ahead_goes_to_disk(
         assert states == {4: "staged", 5: "registered", 6: "staged"}, states
         # The leftover, the save of step 4, and step 6's (step 5's was refused).
         assert _reservations(agent.log) == 3
-        segments = {
-            s["id"]: s for s in httpx.get(f"{agent.url}/v1/memory", timeout=10).json()["segments"]
-        }
+        segments = {s["id"]: s for s in memory_info(agent.url)["segments"]}
         assert unused not in segments  # given back, not left to its lease
         assert segments[leftover.id]["state"] == "reserved"
         for step in expected:
