@@ -23,8 +23,10 @@ parallel sessions (pytest-xdist workers, two checkouts) do not collide.
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,3 +124,30 @@ def proxied_catalog(postgres_admin_url: str) -> Iterator[tuple[str, TcpProxy]]:
         with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
             through = url.set(host="127.0.0.1", port=proxy.port)
             yield through.render_as_string(hide_password=False), proxy
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
+    """``mount(name, options)``: a new tmpfs under tmp_path mounted with
+    ``options`` (a real small or full filesystem); unmounted after the test.
+    Needs permission to mount (root): the test is skipped otherwise."""
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    try:
+        yield mount
+    finally:
+        for point in mounted:
+            subprocess.run(["umount", "-l", str(point)], check=False)

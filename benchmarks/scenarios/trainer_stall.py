@@ -18,9 +18,11 @@ Full mode measures two sizes (~600 MB and ~2 GB), quick mode one small one
   ``/dev/shm`` arena, in safetensors layout, written with ``pwrite`` from
   the tensors) and registered; the agent writes it to T0 (fsync, rename),
   registers it and uploads it afterwards. Target: stall ≤ 2× the bare copy.
-  Three untimed saves come first (a trainer's first three saves write into
-  new tmpfs pages; later ones reuse the pages and mappings of the save three
-  before, as the bare copy reuses its pre-touched buffer).
+  Three untimed saves come first: a trainer's first save writes into new
+  tmpfs pages; each later one into the segment reserved with the save
+  before, whose files the checkpointer mapped in the background meanwhile
+  (client/torch/segment_mappings.py), as the bare copy's buffer is touched
+  before its copy.
 - ``disk staging``: ``TorchCheckpointer(staging="disk").save``: safetensors
   + JSON written to the local root, fsynced, renamed into place, and one
   register call. The upload runs in the agent afterwards.
@@ -366,10 +368,11 @@ def _measure_size(
     }
     variants = [every[name] for name in names]
     # Three untimed memory-staged saves first, as the bare copy's arena is
-    # touched before each copy: a trainer's first three saves write into new
-    # tmpfs pages; from the fourth on the segment reserved ahead with the last
-    # save holds the files (and the trainer its mappings) of the save three
-    # before (three sets take turns: kept, staged, reserved ahead).
+    # touched before each copy: a trainer's first save writes into new tmpfs
+    # pages; each later one into the segment reserved ahead with the save
+    # before, mapped (and its pages allocated) in the background after it.
+    # From the fourth save on, the three sets of files taking turns (kept,
+    # staged, reserved ahead) are recycled ones the trainer has mapped.
     for warm_step in (WARM_UP_STEP, WARM_UP_STEP + 1, WARM_UP_STEP + 2):
         staged_save(MEMORY, "memory", warm_step)
     # Nothing else has run yet: what the memory lists hold is the warm-up's.
@@ -562,10 +565,10 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             "The bare copy is the limit: the tensors' bytes copied into a preallocated, "
             "pre-faulted file in /dev/shm mapped shared, nothing else.",
             "Memory staging is measured after three untimed saves of the same run (the bare "
-            "copy's buffer is likewise touched before): a trainer's first three saves write "
-            "into new tmpfs pages (about twice the stall); later ones write into the segment "
-            "the agent reserved with the save before (one call per save), which holds the "
-            "files of the save three before, through the trainer's kept mappings of them.",
+            "copy's buffer is likewise touched before): a trainer's first save writes into "
+            "new tmpfs pages (several times the stall); each later one writes into the "
+            "segment the agent reserved with the save before (one call per save), which the "
+            "checkpointer mapped, its pages allocated, in the background after that save.",
             "Disk staging: the stall is the local write (fsynced safetensors + JSON, renamed "
             "into place) and one register call; the upload to S3 happens in the agent "
             "afterwards. Memory staging: the stall is the copy into the agent's memory tier "

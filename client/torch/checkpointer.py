@@ -41,7 +41,8 @@ from .checkpoint_dir import (
     sha256_of,
     write_state,
 )
-from .memory_stage import Mappings, StagedFiles
+from .memory_stage import StagedFiles
+from .segment_mappings import Mappings
 
 log = logging.getLogger("tierckpt.client.torch")
 
@@ -114,7 +115,7 @@ class TorchCheckpointer:
             raise ValueError(f"staging must be 'memory', 'disk' or None, not {staging!r}")
         self.staging = staging
         self._memory: MemoryInfo | None = None
-        self._mappings = Mappings()  # of the segments written last (memory_stage.py)
+        self._mappings = Mappings()  # of the segments written last (segment_mappings.py)
         # The segment the agent reserved for the next save when it staged the
         # last one (one call per save instead of two), and its files' sizes.
         self._ahead: MemorySegment | None = None
@@ -361,8 +362,14 @@ class TorchCheckpointer:
             self._release(segment.id)
             raise
         self._ahead, self._ahead_sizes = checkpoint.next_segment, sizes
-        if self._ahead is not None and self._ahead.expires_at is not None:
-            self._ahead_lease = self._ahead.expires_at.timestamp() - time.time()
+        if self._ahead is not None:
+            if self._ahead.expires_at is not None:
+                self._ahead_lease = self._ahead.expires_at.timestamp() - time.time()
+            # Its files mapped (and a new file's pages allocated) while the
+            # trainer trains, not in the next save's stall.
+            self._mappings.prepare(
+                Path(self._ahead.path), {name: sizes[name] for name in files.layouts}
+            )
         log.debug(
             "%s step %d: %.3f s copy into memory + register",
             self.run,

@@ -17,20 +17,18 @@ Sizes are known before anything is written, so the reservation is exact.
 
 The agent hands out every file at its size, often a freed segment's file
 whose pages exist already (service/memory/spares.py). Such a file, fully
-allocated, is written through a shared mapping (:class:`Mappings`), kept
-for the next saves: the same inode comes back a few saves later, and a
-copy into a mapping that is already populated costs what a bare memcpy
-does (mapping 600 MB anew costs as much again). A file with holes is
-written with ``pwrite`` instead: on a tmpfs out of room that fails with
-ENOSPC (the trainer then writes to T0), where a store into a mapping
-would kill the trainer with SIGBUS.
+allocated, is written through a shared mapping the trainer keeps for its
+next saves (segment_mappings.py: the same inode comes back a few saves
+later, often mapped ahead of the save). A file with holes is written with
+``pwrite`` instead: on a tmpfs out of room that fails with ENOSPC (the
+trainer then writes to T0), where a store into a mapping would kill the
+trainer with SIGBUS.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -46,6 +44,7 @@ from .checkpoint_dir import (
     TENSORS_FILE,
     EncodedState,
 )
+from .segment_mappings import Mappings
 
 # safetensors' dtype names, in the order it writes tensors (widest first;
 # within a dtype by name).
@@ -140,71 +139,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(f"short write at offset {offset + done}")
         done += n
-
-
-class Mappings:
-    """Shared mappings of the segment files a trainer wrote in its last
-    ``KEEP`` saves, by inode: the agent recycles a freed segment's files, so
-    the next saves often write into an inode mapped already. Three: with the
-    next save's segment reserved as the last one is staged, three sets of
-    files take turns (the newest kept on T0's behalf, the one staged, the
-    one reserved ahead), each coming back every third save.
-
-    A kept mapping pins its file's pages: if the agent deletes the file (to
-    make room) the pages stay allocated until the trainer's next saves drop
-    the mapping, at most ``KEEP`` segments per trainer.
-    """
-
-    KEEP = 3
-
-    def __init__(self) -> None:
-        # (dev, inode) -> (its own descriptor, the mapping, a view of it)
-        self._maps: dict[tuple[int, int], tuple[int, mmap.mmap, torch.Tensor]] = {}
-        self._recent: list[set[tuple[int, int]]] = []
-
-    def target(self, fd: int, size: int, used: set[tuple[int, int]]) -> torch.Tensor | None:
-        """A uint8 tensor over the first ``size`` bytes of open file ``fd``,
-        or None when the file has holes (write it with pwrite)."""
-        info = os.fstat(fd)
-        if size == 0 or info.st_size < size or info.st_blocks * 512 < size:
-            return None
-        key = (info.st_dev, info.st_ino)
-        found = self._maps.get(key)
-        # The kept descriptor holds the inode, so its number is not given to
-        # another file while it is kept; a file deleted since (no link left)
-        # is dropped.
-        if found is None or len(found[1]) < size or os.fstat(found[0]).st_nlink == 0:
-            self._drop(key)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(fd, info.st_size, flags=flags)
-            found = (os.dup(fd), mapping, torch.frombuffer(mapping, dtype=torch.uint8))
-            self._maps[key] = found
-        used.add(key)
-        return found[2][:size]
-
-    def saved(self, used: set[tuple[int, int]]) -> None:
-        """One save done: keep the mappings of the last ``KEEP`` saves."""
-        self._recent = [*self._recent, used][-self.KEEP :]
-        alive = set().union(*self._recent)
-        for key in [k for k in self._maps if k not in alive]:
-            self._drop(key)
-
-    def close(self) -> None:
-        for key in list(self._maps):
-            self._drop(key)
-        self._recent = []
-
-    def _drop(self, key: tuple[int, int]) -> None:
-        found = self._maps.pop(key, None)
-        if found is None:
-            return
-        kept, mapping, view = found
-        del view, found
-        os.close(kept)
-        try:
-            mapping.close()
-        except BufferError:  # a view is still referenced: the collector unmaps it
-            pass
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -384,6 +385,49 @@ def test_closing_the_checkpointer_gives_back_the_segment_reserved_ahead(
         weights = load_file(str(on_t0(ssd / run / "step-2") / "model.safetensors"))
         assert torch.equal(weights["weight"], model.weight.detach())
         assert not [s for s in memory_info(agent.url)["segments"] if s["state"] == "reserved"]
+
+
+def test_the_next_saves_segment_is_mapped_while_the_trainer_trains(
+    start_agent: AgentFactory,  # noqa: F811
+    request: pytest.FixtureRequest,
+) -> None:
+    """The segment reserved with a save, for the next one, has its
+    safetensors files' pages allocated and mapped by the checkpointer in the
+    background before that next save, which then copies through those
+    mappings (it maps nothing in its stall), with the right bytes on T0.
+    The arena on a tmpfs, as by default (/dev/shm): on a disk file system a
+    mapping's faults allocate no blocks, and the save writes with pwrite."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    arena = Path("/dev/shm") / f"tierckpt-test-{os.getpid()}-{time.monotonic_ns()}"
+    request.addfinalizer(lambda: shutil.rmtree(arena, ignore_errors=True))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    agent, ssd = start_agent(memory={"bytes": 64 << 20, "dir": str(arena)})
+    run = "prepared"
+    with CheckpointClient(agent.url) as client:
+        with TorchCheckpointer(client, run, ssd, model=model, node=NODE) as checkpointer:
+            assert checkpointer.save(1).state == "staged"
+            ahead = checkpointer._ahead
+            assert ahead is not None
+            checkpointer._mappings._settle()  # as the next save does first
+            files = sorted(Path(ahead.path).glob("*.safetensors"))
+            assert files, list(Path(ahead.path).iterdir())
+            kept = checkpointer._mappings._maps
+            for path in files:
+                info = path.stat()
+                assert info.st_blocks * 512 >= info.st_size, path  # no holes left
+                assert (info.st_dev, info.st_ino) in kept, path
+            prepared = {key: found[1] for key, found in kept.items()}
+
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            assert checkpointer.save(2).state == "staged"
+            for key, mapping in prepared.items():
+                assert checkpointer._mappings._maps[key][1] is mapping
+            wait_durable(agent.url, run, 2)
+            weights = load_file(str(on_t0(ssd / run / "step-2") / "model.safetensors"))
+            assert torch.equal(weights["weight"], model.weight.detach())
 
 
 def _agent_and_model(start_agent: AgentFactory) -> tuple[Any, Path, Any]:  # noqa: F811

@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tierckpt.client.torch.checkpoint_dir import encode_state, write_state  # noqa: E402
 from tierckpt.client.torch.memory_stage import (  # noqa: E402
     DTYPES,
-    Mappings,
     StagedFiles,
     safetensors_layout,
 )
+from tierckpt.client.torch.segment_mappings import Mappings  # noqa: E402
 
 
 def _write_layout(path: Path, tensors: dict[str, torch.Tensor]) -> None:
