@@ -23,6 +23,7 @@ parallel sessions (pytest-xdist workers, two checkouts) do not collide.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -151,3 +152,17 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
     finally:
         for point in mounted:
             subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[Path]:
+    """A new directory in /dev/shm (a tmpfs, as the memory tier's default
+    arena is), removed after the test; the test is skipped without /dev/shm."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    directory = shm / f"tierckpt-test-{uuid.uuid4().hex}"
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

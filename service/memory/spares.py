@@ -5,7 +5,8 @@ itself (every page is allocated and zeroed on first touch), so a freed
 segment's files are not deleted but moved here, and a new reservation gets
 them back, renamed into its own directory and cut to the size it asked for.
 The trainer then writes into pages that exist already (and, with the file's
-inode unchanged, through a mapping it may have kept: client/torch/memory_stage.py).
+inode unchanged, through a mapping it may have kept:
+client/torch/segment_mappings.py).
 
 Spares count against the arena's budget like segments and are the first
 thing deleted when room is needed.

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -389,7 +388,7 @@ def test_closing_the_checkpointer_gives_back_the_segment_reserved_ahead(
 
 def test_the_next_saves_segment_is_mapped_while_the_trainer_trains(
     start_agent: AgentFactory,  # noqa: F811
-    request: pytest.FixtureRequest,
+    shm_dir: Path,
 ) -> None:
     """The segment reserved with a save, for the next one, has its
     safetensors files' pages allocated and mapped by the checkpointer in the
@@ -397,13 +396,9 @@ def test_the_next_saves_segment_is_mapped_while_the_trainer_trains(
     mappings (it maps nothing in its stall), with the right bytes on T0.
     The arena on a tmpfs, as by default (/dev/shm): on a disk file system a
     mapping's faults allocate no blocks, and the save writes with pwrite."""
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm")
-    arena = Path("/dev/shm") / f"tierckpt-test-{os.getpid()}-{time.monotonic_ns()}"
-    request.addfinalizer(lambda: shutil.rmtree(arena, ignore_errors=True))
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    agent, ssd = start_agent(memory={"bytes": 64 << 20, "dir": str(arena)})
+    agent, ssd = start_agent(memory={"bytes": 64 << 20, "dir": str(shm_dir)})
     run = "prepared"
     with CheckpointClient(agent.url) as client:
         with TorchCheckpointer(client, run, ssd, model=model, node=NODE) as checkpointer:

@@ -4,7 +4,6 @@ of a save (client/torch/segment_mappings.py), on real tmpfs files."""
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,8 +17,6 @@ from tierckpt.client.torch.checkpoint_dir import encode_state, write_state  # no
 from tierckpt.client.torch.memory_stage import StagedFiles, _pwrite_all  # noqa: E402
 from tierckpt.client.torch.segment_mappings import Mappings  # noqa: E402
 
-SHM = Path("/dev/shm")
-
 
 def _key(path: Path) -> tuple[int, int]:
     info = path.stat()
@@ -31,14 +28,14 @@ def _allocated(path: Path) -> bool:
     return info.st_blocks * 512 >= info.st_size
 
 
-@pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
-def test_the_segment_reserved_ahead_is_mapped_before_its_save(tmp_path: Path) -> None:
+def test_the_segment_reserved_ahead_is_mapped_before_its_save(
+    tmp_path: Path, shm_dir: Path
+) -> None:
     """The second save of a run gets a new sparse segment (nothing freed yet
     to recycle). Prepared while the trainer trains, its files' pages are
     allocated and mapped before the save, which copies through those very
     mappings (none made in its stall), byte-identical to write_state."""
-    root = SHM / f"tierckpt-test-{os.getpid()}-{tmp_path.name}"
-    arena = Arena(root, budget=10 << 20, lease_seconds=60)
+    arena = Arena(shm_dir, budget=10 << 20, lease_seconds=60)
     arena.open()
     mappings = Mappings()
     try:
@@ -73,7 +70,6 @@ def test_the_segment_reserved_ahead_is_mapped_before_its_save(tmp_path: Path) ->
         assert mappings._preparing is None
     finally:
         mappings.close()
-        shutil.rmtree(root, ignore_errors=True)
     assert mappings._maps == {}
 
 
