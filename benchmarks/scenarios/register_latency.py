@@ -23,7 +23,10 @@ default with SQLite), side by side. Both on SQLite and on PostgreSQL. The machin
 measured during each loaded round too: an fsync of 4 KiB on the catalog's
 disk (every registration's commit is flushed by one, after its answer by
 default on SQLite: ``[catalog] register_ack = "recorded"``) and how late a 1 ms sleep wakes up
-(the wait for a CPU). Client-observed times, and the agent's own time for the
+(the wait for a CPU). Each timed register + `latest` is followed by one call to a do-nothing
+server (empty_server.py) with the same HTTP stack: the floor any call meets
+on this machine at that moment, beside the figures it bounds.
+Client-observed times, and the agent's own time for the
 same requests (each answer's ``Server-Timing`` header: from the request's
 arrival in the agent's application to the answer's headers); the phases of
 a registration come from the agent's request log.
@@ -81,16 +84,21 @@ import httpx
 from devsupport import postgres as pg
 from devsupport.seaweed import SeaweedServer
 from tierckpt.client import CheckpointClient
+from tierckpt.client._api import USER_AGENT
 from tierckpt.client._files import fsync_file
 from tierckpt.service.cpu_affinity import allowed_cpus, background_share, format_list
 
 from ..context import Agent, BenchContext, log, s3_region
 from ..data import MiB, sparse_file, write_random
+from ..empty_server import empty_server
 from ..procstat import confine, cpu_ticks, meminfo_bytes, steal_share
 from ..stats import percentile, ratios, row
 from ..tmpfs_store import size_bytes, tmpfs_seaweed, vacuum
 from ..worker_queue import busy_jobs
 
+# The floor rows' call: what any HTTP call costs on this machine at that
+# moment, before an agent does any work (empty_server.py).
+FLOOR_CALL = "an empty answer (a do-nothing ASGI server, the same server and client stacks)"
 # The agent's phases of a registration, as its request log names them.
 PHASES = ("scan", "record", "queued", "gate", "lock", "write", "commit", "sync")
 
@@ -473,15 +481,54 @@ class _Pace:
             self._next = time.perf_counter()
 
 
+class _FloorCalls:
+    """Calls to the empty server (empty_server.py) from this process, with the
+    client's own HTTP stack: an ``httpx.Client`` as CheckpointClient makes
+    it, a POST with a JSON body of a registration's size. No URL: no calls."""
+
+    def __init__(self, url: str | None) -> None:
+        self._http = (
+            None
+            if url is None
+            else httpx.Client(base_url=url, timeout=30, headers={"User-Agent": USER_AGENT})
+        )
+
+    def __enter__(self) -> _FloorCalls:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._http is not None:
+            self._http.close()
+
+    def call(self, run_name: str, step: int, path: Path) -> float | None:
+        """One call's milliseconds (None without a server)."""
+        if self._http is None:
+            return None
+        body = {"run": run_name, "step": step, "path": str(path), "files": None}
+        began = time.perf_counter()
+        self._http.post("/v1/checkpoints", json=body).raise_for_status()
+        return (time.perf_counter() - began) * 1000
+
+
 def _timed(
-    agent: Agent, base: Path, run_name: str, count: int, pace: float | None = None
+    agent: Agent,
+    base: Path,
+    run_name: str,
+    count: int,
+    pace: float | None = None,
+    floor_url: str | None = None,
 ) -> dict[str, list[float]]:
+    """Sequential register + `latest` (``pace`` apart, or back to back); with
+    ``floor_url`` (an empty server: empty_server.py), each pair followed by
+    one call to it with the same HTTP client stack, the machine's floor for a
+    call at that moment (``empty``)."""
     source = base / "tiny.bin"
     write_random(source, TINY_BYTES)
-    samples: dict[str, list[float]] = {"register": [], "latest": []}
+    samples: dict[str, list[float]] = {"register": [], "latest": [], "empty": []}
     request_id = f"bench-timed-{run_name}"
     pacer = _Pace(pace)
-    with CheckpointClient(agent.url) as client:
+    floor = _FloorCalls(floor_url)
+    with CheckpointClient(agent.url) as client, floor:
         # Tags the timed requests in the agent's request log (the load's are not).
         client._http.headers["x-request-id"] = request_id
         own = _AgentTimes(client)
@@ -496,11 +543,14 @@ def _timed(
             registered = time.perf_counter()
             client.latest(run_name)
             ended = time.perf_counter()
+            empty = floor.call(run_name, step, tiny)
             if answer.state != "registered":
                 raise RuntimeError(f"register {run_name}:{step} answered {answer.state}")
             if step > WARMUP:
                 samples["register"].append((registered - began) * 1000)
                 samples["latest"].append((ended - registered) * 1000)
+                if empty is not None:
+                    samples["empty"].append(empty)
     samples.update(own.after_warmup())
     for phase, values in _phases(agent.log_path, request_id).items():
         samples[phase] = values[WARMUP:]
@@ -627,12 +677,13 @@ def _catalogs() -> list[str]:
 
 
 def _round(
-    agent: Agent, work: Path, base: Path, rep: int, count: int, mode: str
+    agent: Agent, work: Path, base: Path, rep: int, count: int, mode: str, floor_url: str
 ) -> dict[str, list[float]]:
-    """One round of the back-to-back streams: register + `latest`, the polls,
-    and (with the worker on) memory-segment saves; the machine's floor meanwhile."""
+    """One round of the back-to-back streams: register + `latest` (each pair
+    followed by a call to the empty server), the polls, and (with the worker
+    on) memory-segment saves; the machine's floor meanwhile."""
     with _Floor(work / base.name) as floor, _ClientCollections() as gcs:
-        samples = _timed(agent, base / f"rep{rep}", f"bench-tiny-{rep}", count)
+        samples = _timed(agent, base / f"rep{rep}", f"bench-tiny-{rep}", count, floor_url=floor_url)
         samples.update(_timed_polls(agent, f"bench-tiny-{rep}", count))
         # The memory tier needs the worker (it persists the segments): not
         # in the idle mode.
@@ -644,10 +695,15 @@ def _round(
     return samples
 
 
-def _paced_round(agent: Agent, base: Path, rep: int, count: int) -> dict[str, list[float]]:
-    """One round of the paced streams: register + `latest` of files on T0,
-    then memory-segment saves, one every PACE_SECONDS."""
-    paced = _timed(agent, base / f"paced{rep}", f"bench-paced-{rep}", count, PACE_SECONDS)
+def _paced_round(
+    agent: Agent, base: Path, rep: int, count: int, floor_url: str
+) -> dict[str, list[float]]:
+    """One round of the paced streams: register + `latest` of files on T0
+    (each pair followed by a call to the empty server), then memory-segment
+    saves, one every PACE_SECONDS."""
+    paced = _timed(
+        agent, base / f"paced{rep}", f"bench-paced-{rep}", count, PACE_SECONDS, floor_url
+    )
     staged = _timed_staged(
         agent, base / f"paced-staged{rep}", f"bench-paced-staged-{rep}", count, PACE_SECONDS
     )
@@ -695,7 +751,8 @@ def _round_line(catalog: str, mode: str, rep: int, reps: int, samples: dict[str,
     if mode in PACED_MODES:
         return (
             f"{head}register p99 {p99('paced_register')}, latest p99 {p99('paced_latest')}, "
-            f"memory segment register p99 {p99('paced_segment_stage')}{backlog}"
+            f"memory segment register p99 {p99('paced_segment_stage')}, empty server's "
+            f"answer p99 {p99('paced_empty')}{backlog}"
         )
     line = (
         f"{head}p50 {percentile(samples['register'], 50):.1f} ms, p99 {p99('register')}, "
@@ -705,6 +762,8 @@ def _round_line(catalog: str, mode: str, rep: int, reps: int, samples: dict[str,
     )
     if samples.get("segment_stage"):
         line += f"; memory segment register p99 {p99('segment_stage')}"
+    if samples.get("empty"):
+        line += f"; empty server's answer p99 {p99('empty')}"
     return line + backlog
 
 
@@ -714,7 +773,10 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
     reps = max(1, min(ctx.reps, 2 if ctx.quick else 3))
     results: dict[str, dict[str, list[dict[str, list[float]]]]] = {}
     load_totals: dict[str, Any] = {}
-    with tmpfs_seaweed(ctx.work, ("bench", "bench-west")) as (store, store_dir):
+    with (
+        tmpfs_seaweed(ctx.work, ("bench", "bench-west")) as (store, store_dir),
+        empty_server() as floor_url,
+    ):
         if BACKGROUND_CPUS:  # the store stands for one on other machines
             confine(store.pid, BACKGROUND_CPUS)
         for catalog_name in _catalogs():
@@ -754,9 +816,13 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                             ticks = cpu_ticks()
                             durable, began = (load.durable_now() if load else 0), time.monotonic()
                             if mode in PACED_MODES:
-                                samples = _paced_round(agent, ctx.ssd / name, rep, paced_count)
+                                samples = _paced_round(
+                                    agent, ctx.ssd / name, rep, paced_count, floor_url
+                                )
                             else:
-                                samples = _round(agent, ctx.work, ctx.ssd / name, rep, count, mode)
+                                samples = _round(
+                                    agent, ctx.work, ctx.ssd / name, rep, count, mode, floor_url
+                                )
                             samples["steal"] = [100 * steal_share(ticks, cpu_ticks())]
                             if load is not None:
                                 # The uploads' pace: what confining them costs.
@@ -804,6 +870,15 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     f"server_{call}",
                     target=mode == "load",
                 )
+        for mode in ("load", "load-other", "idle"):
+            rows += _timed_rows(
+                f"{catalog_name} machine floor: {FLOOR_CALL}, after each register + latest, "
+                f"{labels[mode]}",
+                per_mode[mode],
+                "empty",
+                None,
+                target=False,
+            )
     # The paced streams: the load's uploads are the background work.
     for catalog_name, per_mode in results.items():
         for call, label in (
@@ -824,6 +899,16 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     f"paced_{server}" if server else None,
                     target=call != "segment_stall",
                 )
+            if call == "latest":
+                for mode in PACED_MODES:
+                    rows += _timed_rows(
+                        f"{catalog_name} machine floor: {FLOOR_CALL}, after each register + "
+                        f"latest, paced, {labels[mode]}",
+                        per_mode[mode],
+                        "paced_empty",
+                        None,
+                        target=False,
+                    )
             confined_p99, all_p99 = (
                 percentile([percentile(r[f"paced_{call}"], 99) for r in per_mode[m]], 50)
                 for m in PACED_MODES
@@ -978,6 +1063,13 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
         "50 ms: fdatasync of a 4 KiB write on the catalog's disk (each registration's commit "
         "is flushed by one, after the answer by default; the other helpers of this machine "
         "share the disk and the 2 cores) and how late a 1 ms sleep wakes up.",
+        "machine floor, a call answered empty: after each timed register + latest, one POST "
+        "(a registration's body) to a do-nothing ASGI app served as the agent is (uvicorn, "
+        "uvloop, httptools; its own process), from the timed client's process with the "
+        "client's httpx stack: what a call costs on this machine at that moment before an "
+        "agent does any work (both processes' CPU, loopback, and their wake-ups; on a VM "
+        "whose idle vCPUs halt, a halted vCPU's wake-up waits for the hypervisor). The "
+        "register and latest p99s are bounded below by it.",
         "memory segment: in each round, after the register stream, the same count of "
         "sequential reserve, write, register of a segment and `latest` of a "
         f"{TINY_BYTES}-byte checkpoint in the agent's memory tier (what "
