@@ -65,9 +65,20 @@ def marked(work: Path) -> list[int]:
     return found
 
 
-def clean(work: Path, *, keep: bool) -> list[str]:
-    """Kill the marked processes, remove the /dev/shm entries (and the work directory)."""
+# How long the marked processes get to exit on their own once the benchmark
+# has: multiprocessing's resource tracker (started with a spawned process)
+# exits when its pipe to the benchmark closes, an agent's worker process
+# when its agent is gone. Not leftovers: not killed, not reported.
+GRACE_SECONDS = 2.0
+
+
+def clean(work: Path, *, keep: bool, grace: float = GRACE_SECONDS) -> list[str]:
+    """Kill the marked processes still running after ``grace`` seconds,
+    remove the /dev/shm entries (and the work directory)."""
     done = []
+    deadline = time.monotonic() + grace
+    while marked(work) and time.monotonic() < deadline:
+        time.sleep(0.1)
     # Again until none is found: a process may start one while it is killed
     # (an agent its worker), and one just started shows no environment yet.
     for _ in range(5):
@@ -75,9 +86,10 @@ def clean(work: Path, *, keep: bool) -> list[str]:
         if not found:
             break
         for pid in found:
+            command = _command(pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-                done.append(f"killed {pid}")
+                done.append(f"killed {pid} ({command})")
         time.sleep(0.2)
     for path in shm_paths(work) + ([] if keep else [work]):
         if path.exists():
@@ -87,6 +99,15 @@ def clean(work: Path, *, keep: bool) -> list[str]:
                 path.unlink(missing_ok=True)
             done.append(f"removed {path}")
     return done
+
+
+def _command(pid: int) -> str:
+    """``pid``'s command line, as the report names what it killed."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)[:200]
 
 
 def _wait_for_exit(pid: int) -> None:
