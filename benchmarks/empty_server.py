@@ -15,8 +15,6 @@ load, beside the figure it bounds.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -32,15 +30,7 @@ EMPTY = b"{}"
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            kind = message["type"].removeprefix("lifespan.")
-            await send({"type": f"lifespan.{kind}.complete"})
-            if kind == "shutdown":
-                return
-    if scope["type"] != "http":
-        return
+    assert scope["type"] == "http"  # served with --lifespan off
     while (await receive()).get("more_body"):
         pass  # the body read to its end, as the agent reads a registration's
     await send(
@@ -58,7 +48,8 @@ def empty_server(timeout: float = 30.0) -> Iterator[str]:
     """A running empty server; its base URL."""
     port = free_port()
     command = [sys.executable, "-m", "uvicorn", f"{__name__}:app", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
+    command += ["--port", str(port), "--lifespan", "off", "--log-level", "warning"]
+    command.append("--no-access-log")
     process = subprocess.Popen(
         command,
         cwd=Path(__file__).resolve().parents[1],
@@ -78,10 +69,9 @@ def empty_server(timeout: float = 30.0) -> Iterator[str]:
                 time.sleep(0.05)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+        process.terminate()
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            process.kill()
             process.wait()

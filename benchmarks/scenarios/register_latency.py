@@ -484,26 +484,19 @@ class _Pace:
 class _FloorCalls:
     """Calls to the empty server (empty_server.py) from this process, with the
     client's own HTTP stack: an ``httpx.Client`` as CheckpointClient makes
-    it, a POST with a JSON body of a registration's size. No URL: no calls."""
+    it, a POST with a JSON body of a registration's size."""
 
-    def __init__(self, url: str | None) -> None:
-        self._http = (
-            None
-            if url is None
-            else httpx.Client(base_url=url, timeout=30, headers={"User-Agent": USER_AGENT})
-        )
+    def __init__(self, url: str) -> None:
+        self._http = httpx.Client(base_url=url, timeout=30, headers={"User-Agent": USER_AGENT})
 
     def __enter__(self) -> _FloorCalls:
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        if self._http is not None:
-            self._http.close()
+        self._http.close()
 
-    def call(self, run_name: str, step: int, path: Path) -> float | None:
-        """One call's milliseconds (None without a server)."""
-        if self._http is None:
-            return None
+    def call(self, run_name: str, step: int, path: Path) -> float:
+        """One call's milliseconds."""
         body = {"run": run_name, "step": step, "path": str(path), "files": None}
         began = time.perf_counter()
         self._http.post("/v1/checkpoints", json=body).raise_for_status()
@@ -515,13 +508,13 @@ def _timed(
     base: Path,
     run_name: str,
     count: int,
+    floor_url: str,
     pace: float | None = None,
-    floor_url: str | None = None,
 ) -> dict[str, list[float]]:
-    """Sequential register + `latest` (``pace`` apart, or back to back); with
-    ``floor_url`` (an empty server: empty_server.py), each pair followed by
-    one call to it with the same HTTP client stack, the machine's floor for a
-    call at that moment (``empty``)."""
+    """Sequential register + `latest` (``pace`` apart, or back to back), each
+    pair followed by one call to ``floor_url`` (an empty server:
+    empty_server.py) with the same HTTP client stack, the machine's floor for
+    a call at that moment (``empty``)."""
     source = base / "tiny.bin"
     write_random(source, TINY_BYTES)
     samples: dict[str, list[float]] = {"register": [], "latest": [], "empty": []}
@@ -549,8 +542,7 @@ def _timed(
             if step > WARMUP:
                 samples["register"].append((registered - began) * 1000)
                 samples["latest"].append((ended - registered) * 1000)
-                if empty is not None:
-                    samples["empty"].append(empty)
+                samples["empty"].append(empty)
     samples.update(own.after_warmup())
     for phase, values in _phases(agent.log_path, request_id).items():
         samples[phase] = values[WARMUP:]
@@ -584,6 +576,30 @@ def _timed_rows(
             notes.append(f"agent's own: {percentile(server_values, 50):.1f} ms")
         out.append(row(label, metric, "ms", values, note="; ".join(notes)))
     return out
+
+
+def _floor_rows(
+    catalog_name: str,
+    per_mode: dict[str, list[dict[str, list[float]]]],
+    modes: tuple[str, ...],
+    labels: dict[str, str],
+    *,
+    paced: bool = False,
+) -> list[dict[str, Any]]:
+    """The empty server's answers in ``modes``' register streams
+    (``_FloorCalls``): the machine's floor beside the register rows."""
+    stream, key = (", paced", "paced_empty") if paced else ("", "empty")
+    rows: list[dict[str, Any]] = []
+    for mode in modes:
+        rows += _timed_rows(
+            f"{catalog_name} machine floor: {FLOOR_CALL}, after each register + latest"
+            f"{stream}, {labels[mode]}",
+            per_mode[mode],
+            key,
+            None,
+            target=False,
+        )
+    return rows
 
 
 def _timed_polls(agent: Agent, run_name: str, count: int) -> dict[str, list[float]]:
@@ -683,7 +699,7 @@ def _round(
     followed by a call to the empty server), the polls, and (with the worker
     on) memory-segment saves; the machine's floor meanwhile."""
     with _Floor(work / base.name) as floor, _ClientCollections() as gcs:
-        samples = _timed(agent, base / f"rep{rep}", f"bench-tiny-{rep}", count, floor_url=floor_url)
+        samples = _timed(agent, base / f"rep{rep}", f"bench-tiny-{rep}", count, floor_url)
         samples.update(_timed_polls(agent, f"bench-tiny-{rep}", count))
         # The memory tier needs the worker (it persists the segments): not
         # in the idle mode.
@@ -702,7 +718,7 @@ def _paced_round(
     (each pair followed by a call to the empty server), then memory-segment
     saves, one every PACE_SECONDS."""
     paced = _timed(
-        agent, base / f"paced{rep}", f"bench-paced-{rep}", count, PACE_SECONDS, floor_url
+        agent, base / f"paced{rep}", f"bench-paced-{rep}", count, floor_url, PACE_SECONDS
     )
     staged = _timed_staged(
         agent, base / f"paced-staged{rep}", f"bench-paced-staged-{rep}", count, PACE_SECONDS
@@ -870,15 +886,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     f"server_{call}",
                     target=mode == "load",
                 )
-        for mode in ("load", "load-other", "idle"):
-            rows += _timed_rows(
-                f"{catalog_name} machine floor: {FLOOR_CALL}, after each register + latest, "
-                f"{labels[mode]}",
-                per_mode[mode],
-                "empty",
-                None,
-                target=False,
-            )
+        rows += _floor_rows(catalog_name, per_mode, ("load", "load-other", "idle"), labels)
     # The paced streams: the load's uploads are the background work.
     for catalog_name, per_mode in results.items():
         for call, label in (
@@ -899,16 +907,6 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     f"paced_{server}" if server else None,
                     target=call != "segment_stall",
                 )
-            if call == "latest":
-                for mode in PACED_MODES:
-                    rows += _timed_rows(
-                        f"{catalog_name} machine floor: {FLOOR_CALL}, after each register + "
-                        f"latest, paced, {labels[mode]}",
-                        per_mode[mode],
-                        "paced_empty",
-                        None,
-                        target=False,
-                    )
             confined_p99, all_p99 = (
                 percentile([percentile(r[f"paced_{call}"], 99) for r in per_mode[m]], 50)
                 for m in PACED_MODES
@@ -918,6 +916,7 @@ def _under_load(ctx: BenchContext) -> tuple[list[dict[str, Any]], list[str], dic
                     f"{catalog_name} {label}, paced", "p99 ratio", confined_p99 / all_p99
                 )
             )
+        rows += _floor_rows(catalog_name, per_mode, PACED_MODES, labels, paced=True)
     for catalog_name, per_mode in results.items():
         rates = {
             mode: [r["load_rate"][0] for r in per_mode[mode] if r.get("load_rate")]
