@@ -57,17 +57,21 @@ serve: $(STAMP)
 
 # The suite runs on TEST_WORKERS pytest-xdist workers: most of its time is
 # spent waiting on real processes (agents starting, uploads, SIGKILLed
-# trainers), so two workers overlap those waits even on a 2-core machine.
+# trainers), so several workers overlap those waits even on a 2-core machine.
 # Every test has its own ports, directories, buckets and PostgreSQL database
 # (conftest.py), so workers share nothing. TEST_WORKERS=0 runs it serially.
 # Work stealing: xdist's default hands each worker its share up front, and
 # the end-to-end tests (up to a minute each, collected together) piled up on
 # one worker while the other finished the rest and stopped, half-way through.
-# A module's tests may then run on both workers, so a module-scoped fixture
+# A module's tests may then run on several workers, so a module-scoped fixture
 # must stand on its own when it is set up twice.
 # The slowest tests are listed at the end of every run: `make test` is kept
 # under 15 minutes, and on a slow machine that list says where it goes.
-TEST_WORKERS ?= 2
+# Three workers, not two, on a 2-core machine: the tests' own waits (agents
+# starting, polls, leases, drains) leave a third of two workers' CPU idle;
+# on one such machine pytest took 911 s with 2 and 653 s with 3, the tests'
+# summed time about the same (benchmarks/README.md, twenty-seventh machine).
+TEST_WORKERS ?= 3
 test: $(STAMP) browser slurm
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist worksteal) --durations=25 $(PYTEST_ARGS)
 
