@@ -69,8 +69,8 @@ serve: $(STAMP)
 # under 15 minutes, and on a slow machine that list says where it goes.
 # Three workers, not two, on a 2-core machine: the tests' own waits (agents
 # starting, polls, leases, drains) leave a third of two workers' CPU idle;
-# on one such machine pytest took 911 s with 2 and 653 s with 3, the tests'
-# summed time about the same (benchmarks/README.md, twenty-seventh machine).
+# on one such machine pytest took 911 s with 2 and 653 s with 3 (on a slower
+# one 935 s and 906 s: no worse; benchmarks/README.md, twenty-seventh machine).
 TEST_WORKERS ?= 3
 test: $(STAMP) browser slurm
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist worksteal) --durations=25 $(PYTEST_ARGS)
