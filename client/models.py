@@ -136,6 +136,9 @@ class MemorySegment(_Model):
     bytes: int
     # When the agent reclaims it if it is not registered (UTC).
     expires_at: datetime | None = None
+    # A file to keep locked while holding it: the agent frees the segment
+    # once that lock is dropped (client/torch/segment_holds.py).
+    holder: str | None = None
 
 
 class MemoryInfo(_Model):

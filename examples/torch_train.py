@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                     path=str(checkpointer.path_of(step)),
                     stall_seconds=round(time.monotonic() - began, 4),
                     write_seconds=checkpoint.write_seconds,
+                    # The segment the agent reserved for the next save, if any.
+                    next_segment=checkpoint.next_segment.id if checkpoint.next_segment else None,
                 )
 
             model.train()

@@ -405,7 +405,8 @@ class MemorySettings(BaseModel):
     persisted frees it. false: a segment is freed as soon as T0 holds it."""
     lease_seconds: float = Field(600.0, ge=1)
     """A reserved segment not registered within this long (its trainer died
-    mid-copy) is reclaimed."""
+    mid-copy) is reclaimed. A trainer that holds the segment's `holder` lock
+    (`TorchCheckpointer` does) has it freed within seconds of dying instead."""
     t0_wait_seconds: float = Field(0.0, ge=0, le=3600)
     """How long a staged checkpoint's T0 write may wait for its upload (from
     the segment) to end, so that the upload, the copy that makes it durable,

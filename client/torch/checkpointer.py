@@ -42,6 +42,7 @@ from .checkpoint_dir import (
     write_state,
 )
 from .memory_stage import StagedFiles
+from .segment_holds import SegmentHolds
 from .segment_mappings import Mappings
 
 log = logging.getLogger("tierckpt.client.torch")
@@ -121,6 +122,9 @@ class TorchCheckpointer:
         self._ahead: MemorySegment | None = None
         self._ahead_sizes: dict[str, int] = {}
         self._ahead_lease = 0.0  # its lease in seconds when it was handed out
+        # Locks that tell the agent this trainer still holds its reserved
+        # segments: a trainer killed -9 lets them go (segment_holds.py).
+        self._holds = SegmentHolds()
         self.client = client
         self.run = run
         self.root = Path(os.path.abspath(root))
@@ -150,6 +154,7 @@ class TorchCheckpointer:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             self._release(ahead.id, retry=False)
+        self._holds.close()
         self._mappings.close()
 
     def __enter__(self) -> TorchCheckpointer:
@@ -332,6 +337,7 @@ class TorchCheckpointer:
         """Write ``files`` into ``segment`` and register it (asking for the
         next save's segment when the agent can reserve it)."""
         step = state["step"]
+        self._holds.hold(segment)  # the one reserved ahead is held already
         try:
             files.write(Path(segment.path), self._mappings)
         except OSError as exc:  # the arena's file system is full after all
@@ -361,8 +367,12 @@ class TorchCheckpointer:
         except BaseException:
             self._release(segment.id)
             raise
+        finally:
+            # Staged (the agent's now), refused or given back: not ours any more.
+            self._holds.let_go(segment.id)
         self._ahead, self._ahead_sizes = checkpoint.next_segment, sizes
         if self._ahead is not None:
+            self._holds.hold(self._ahead)
             if self._ahead.expires_at is not None:
                 self._ahead_lease = self._ahead.expires_at.timestamp() - time.time()
             # Its files mapped (and a new file's pages allocated) while the
@@ -424,8 +434,10 @@ class TorchCheckpointer:
     def _release(self, segment_id: str, retry: bool = True) -> None:
         try:
             self.client.release_segment(segment_id, retry=retry)
-        except TierckptError as exc:  # the lease reclaims it
+        except TierckptError as exc:  # the lease, or the lock let go below, reclaims it
             log.warning("memory segment %s not released: %s", segment_id, exc)
+        finally:
+            self._holds.let_go(segment_id)
 
     def _resave(self, target: Path, state: dict[str, Any]) -> Checkpoint | None:
         """``target`` exists from an earlier life. Keep it if it holds the same

@@ -9,6 +9,9 @@ A segment is a directory ``seg-<id>/`` holding
   that its next save needs no reservation call) has no step until it is
   staged: the step is written then (``adopt``);
 * ``data/``: the files, written by the trainer in their on-disk format;
+* ``holder``: while a reservation's trainer holds it, a file it keeps
+  locked (holder.py): once that lock is free, the reservation is freed
+  without waiting for its lease;
 * ``registration.json``: the trainer's registration, written atomically once
   every file is complete. From then on the segment is *staged*: a
   checkpoint the agent must write to T0 and register, whoever dies;
@@ -38,6 +41,7 @@ from typing import Any
 from ..checkpoints.schemas import iso_timestamp
 from ..errors import ApiError, BadInput, Conflict, NotFound
 from ..whole_files import read_json, write_json_atomically
+from .holder import HOLDER, holder_gone
 from .spares import SparePool
 
 RESERVATION = "reservation.json"
@@ -76,6 +80,11 @@ class Segment:
     @property
     def data(self) -> Path:
         return self.directory / DATA
+
+    @property
+    def holder(self) -> Path:
+        """The file its trainer holds a lock on while it holds it (holder.py)."""
+        return self.directory / HOLDER
 
     @property
     def state(self) -> str:
@@ -259,10 +268,13 @@ class Arena:
         return info.f_bavail * info.f_frsize
 
     def reclaim_expired(self, now: float | None = None) -> list[str]:
-        """Release reservations never registered within their lease."""
+        """Release reservations never registered within their lease, and
+        those whose trainer held them and is gone (holder.py)."""
         now = time.time() if now is None else now
         expired = [
-            s.id for s in self.segments.values() if s.state == "reserved" and s.lease_until < now
+            s.id
+            for s in self.segments.values()
+            if s.state == "reserved" and (s.lease_until < now or holder_gone(s.directory))
         ]
         for segment_id in expired:
             self.release(segment_id)

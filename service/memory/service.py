@@ -52,6 +52,9 @@ class SegmentOut(BaseModel):
     path: str  # the directory the trainer writes the files into
     bytes: int
     expires_at: str
+    # A file the trainer may keep locked (flock) while it holds the segment:
+    # once it was and no longer is, the reservation is freed (holder.py).
+    holder: str
 
 
 class StageRequest(RegisterRequest):
@@ -353,6 +356,7 @@ def _segment_out(segment: Segment) -> SegmentOut:
         path=str(segment.data),
         bytes=segment.nbytes,
         expires_at=_iso(segment.lease_until),
+        holder=str(segment.holder),
     )
 
 

@@ -2,7 +2,8 @@
 SeaweedFS, trainer processes, kill -9.
 
 - A trainer killed -9 right after `save` returned (the state only in the
-  agent's memory): the checkpoint still becomes durable, the restarted
+  agent's memory): the segment it held for its next save is freed at once,
+  the checkpoint still becomes durable, the restarted
   trainer resumes from memory on the same node, and its final weights are
   bit-identical to an uninterrupted run's.
 - The agent killed -9 while it writes a staged segment to T0: restarted, it
@@ -109,6 +110,14 @@ def test_trainer_killed_after_save_resumes_from_memory_bit_identical(
         assert trainer.wait() == -signal.SIGKILL
     assert saved["state"] == "staged", saved  # in the agent's memory, nowhere else yet
     assert saved["write_seconds"] is not None and saved["write_seconds"] < saved["stall_seconds"]
+
+    # The segment it held for its next save is freed once its lock dies
+    # with it (segment_holds.py), not at the end of its 600 s lease.
+    assert saved["next_segment"] is not None, saved
+    deadline = time.monotonic() + 30
+    while saved["next_segment"] in {s["id"] for s in memory_info(agent.url)["segments"]}:
+        assert time.monotonic() < deadline, "the killed trainer's reserved segment is still held"
+        time.sleep(0.1)
 
     # Nothing of the trainer is needed any more: the agent makes it durable.
     done = wait_durable(agent.url, run, 15)
