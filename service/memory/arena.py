@@ -197,7 +197,7 @@ class Arena:
                 "[memory] bytes to stage it in memory",
                 code="segment_too_large",
             )
-        self.reclaim_expired()
+        self.reclaim_abandoned()
         recycled = self._make_room(files, evict)
         now = time.time()
         segment = Segment(
@@ -267,7 +267,7 @@ class Arena:
             return None
         return info.f_bavail * info.f_frsize
 
-    def reclaim_expired(self, now: float | None = None) -> list[str]:
+    def reclaim_abandoned(self, now: float | None = None) -> list[str]:
         """Release reservations never registered within their lease, and
         those whose trainer held them and is gone (holder.py)."""
         now = time.time() if now is None else now

@@ -35,9 +35,7 @@ def holder_gone(directory: Path) -> bool:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:
+    except OSError:  # BlockingIOError: its trainer holds it
         return False
     finally:
         os.close(fd)  # also lets go of the lock taken just now

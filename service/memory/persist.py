@@ -273,7 +273,7 @@ class SegmentPersister:
             )
             if not waiting:
                 self._pressed = False
-            self.arena.reclaim_expired()
+            self.arena.reclaim_abandoned()
             self._registered = {
                 k: v for k, v in self._registered.items() if k in self.arena.segments
             }

@@ -246,8 +246,8 @@ def test_expired_reservations_are_reclaimed_staged_ones_never(tmp_path: Path) ->
     staged = arena.reserve("r", 2, 0, 1, _files(100))
     (staged.data / "a.bin").write_bytes(b"x" * 100)
     arena.stage(staged, {"run": "r", "step": 2, "path": "/t0/r/step-2"})
-    assert arena.reclaim_expired(now=time.time()) == []
-    assert arena.reclaim_expired(now=time.time() + 10) == [reserved.id]
+    assert arena.reclaim_abandoned(now=time.time()) == []
+    assert arena.reclaim_abandoned(now=time.time() + 10) == [reserved.id]
     assert list(arena.segments) == [staged.id]
 
 

@@ -67,11 +67,11 @@ def test_a_reservation_whose_holder_is_killed_is_freed_before_its_lease(arena: A
     held = arena.reserve("r", None, 0, 1, {"a.bin": 100})  # reserved ahead: no step
     child = _holder_process(held)
     try:
-        assert arena.reclaim_expired() == []
+        assert arena.reclaim_abandoned() == []
         assert held.id in arena.segments
     finally:
         _kill(child)
-    assert arena.reclaim_expired() == [held.id]
+    assert arena.reclaim_abandoned() == [held.id]
     assert not held.directory.exists()
     # Its room is the next reservation's (the files became spares).
     assert arena.used == 100
@@ -92,13 +92,13 @@ def test_a_live_holder_unlocked_or_registered_segment_is_kept(arena: Arena) -> N
     child_of = arena.reserve("r", 4, 0, 1, {"a.bin": 10})
     child = _holder_process(child_of)
     try:
-        assert arena.reclaim_expired() == []
+        assert arena.reclaim_abandoned() == []
         assert {never_held.id, alive.id, staged.id, child_of.id} <= set(arena.segments)
         # A holder that lets go while alive (the checkpointer gave it back,
         # say) frees it as well; the lease still frees the one never held.
         holds.let_go(alive.id)
-        assert arena.reclaim_expired() == [alive.id]
-        assert arena.reclaim_expired(now=time.time() + 601) == [never_held.id, child_of.id]
+        assert arena.reclaim_abandoned() == [alive.id]
+        assert arena.reclaim_abandoned(now=time.time() + 601) == [never_held.id, child_of.id]
     finally:
         _kill(child)
     assert list(arena.segments) == [staged.id]
