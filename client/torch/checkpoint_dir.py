@@ -156,13 +156,15 @@ def load_state(
     skeleton = json.loads((source / STATE_FILE).read_text())
     if skeleton.get("format") != FORMAT:
         raise ValueError(f"{source} is not a {FORMAT} checkpoint: {skeleton.get('format')!r}")
-    tensors = load_file(str(source / TENSORS_FILE))
+    tensors = _owned_tensors(source / TENSORS_FILE)
     objects: dict[str, Any] = {}
     if (source / OBJECTS_FILE).exists():
         objects = torch.load(source / OBJECTS_FILE, weights_only=False)
     if model is not None:
         if "model" not in skeleton:
             raise ValueError(f"{source} holds no model state")
+        # Mapped, not copied: load_state_dict copies every tensor into the
+        # module's own, and the mapping goes with ``model_tensors``.
         model_tensors = load_file(str(source / MODEL_FILE))
         state = decode(skeleton["model"], model_tensors, {})
         metadata = decode(skeleton.get("model_metadata"), tensors, objects)
@@ -184,6 +186,24 @@ def load_state(
         path=source,
         meta={"torch": skeleton.get("torch")},
     )
+
+
+def _owned_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, in memory of this process's own.
+
+    ``load_file`` maps the file, and ``Optimizer.load_state_dict`` (as a
+    scheduler's, or a user's ``extra``) keeps the tensors it is given: the
+    trainer's live state would stay backed by a file it does not own (the
+    agent's memory tier, T0, a download's scratch directory), and whoever
+    truncates or rewrites that file changes the state under it, without an
+    error. Each tensor is cloned out of the mapping, which then goes.
+    """
+    mapped = load_file(str(path))
+    owned = {}
+    while mapped:
+        name, tensor = mapped.popitem()
+        owned[name] = tensor.clone()
+    return owned
 
 
 def _with_metadata(state: dict[str, Any], metadata: Any) -> dict[str, Any]:

@@ -116,7 +116,7 @@ class TorchCheckpointer:
             raise ValueError(f"staging must be 'memory', 'disk' or None, not {staging!r}")
         self.staging = staging
         self._memory: MemoryInfo | None = None
-        self._mappings = Mappings()  # of the segments written last (segment_mappings.py)
+        self._mappings = Mappings()  # of the segment prepared for the next save
         # The segment the agent reserved for the next save when it staged the
         # last one (one call per save instead of two), and its files' sizes.
         self._ahead: MemorySegment | None = None
@@ -147,9 +147,8 @@ class TorchCheckpointer:
     def close(self) -> None:
         """Give back what the checkpointer holds between saves: the segment
         the agent reserved for the next save (else held until its lease
-        ends, the size of a whole state) and the mappings of the last saves'
-        segments (which keep their pages allocated after the agent frees
-        them). Saves before it are unaffected (the agent finishes them); a
+        ends, the size of a whole state) and the mapping prepared for it.
+        Saves before it are unaffected (the agent finishes them); a
         save after it works and reserves anew. Idempotent."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:

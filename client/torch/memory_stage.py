@@ -15,14 +15,12 @@ written into a segment the agent reserved in its arena (a tmpfs):
 
 Sizes are known before anything is written, so the reservation is exact.
 
-The agent hands out every file at its size, often a freed segment's file
-whose pages exist already (service/memory/spares.py). Such a file, fully
-allocated, is written through a shared mapping the trainer keeps for its
-next saves (segment_mappings.py: the same inode comes back a few saves
-later, often mapped ahead of the save). A file with holes is written with
-``pwrite`` instead: on a tmpfs out of room that fails with ENOSPC (the
-trainer then writes to T0), where a store into a mapping would kill the
-trainer with SIGBUS.
+The agent hands out every file at its size, a new sparse file. A file the
+checkpointer prepared (mapped, its pages allocated, in the background after
+the save before: segment_mappings.py) is written through that shared
+mapping; any other with ``pwrite``: on a tmpfs out of room that fails with
+ENOSPC (the trainer then writes to T0), where a store into a mapping would
+kill the trainer with SIGBUS.
 """
 
 from __future__ import annotations

@@ -1,42 +1,29 @@
-"""The trainer's shared mappings of memory-tier segment files, kept across saves.
+"""The trainer's shared mapping of the segment reserved for its next save.
 
-A copy into a mapping whose pages are populated costs what a bare memcpy
-does; mapping a 2 GB file anew (building its page tables) costs as much
-again, and writing into a file's holes (allocating and zeroing its pages)
-several times that. The agent recycles a freed segment's files
-(service/memory/spares.py), so the same inodes come back save after save:
-a mapping kept by inode turns every later copy into the bare memcpy.
+The agent gives every reservation new, sparse files (it never hands one
+segment's files to another: service/memory/arena.py). Writing into a new
+file's holes (allocating and zeroing its pages) costs the trainer several
+times the copy itself, so when a registration hands back the segment
+reserved for the next save, its files are mapped in a background thread at
+niceness 19 and their pages allocated (:meth:`Mappings.prepare`). The next
+save then copies into pages that exist: the cost of a bare memcpy. A save
+that comes while the preparation still runs waits for it (it would do the
+same work itself); a file not prepared is written with ``pwrite``.
 
-Two ways a mapping comes to exist:
+The pages are allocated with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14),
+one 16 MiB chunk per call, not with ``MAP_POPULATE``: that holds the
+process's memory-map lock for the whole file, and any ``mmap`` or ``munmap``
+of the training loop meanwhile (a large tensor allocated or freed) waited
+for it, up to 2 s for a new 2 GB file. A chunk holds it for milliseconds.
+Where the call is missing (older kernels) or fails (a full tmpfs), the
+mapping is given up and the save writes the file with ``pwrite``, which
+fails with ENOSPC on a full tmpfs (where a store into a mapping would raise
+SIGBUS), and the trainer stages on T0 instead.
 
-* **At a save** (:meth:`Mappings.target`), for a fully allocated file not
-  mapped yet. The save pays the mapping.
-* **Ahead of the save** (:meth:`Mappings.prepare`): when a registration
-  hands back the segment reserved for the next save, its files are mapped
-  in a background thread at niceness 19 and their page tables filled
-  (which also allocates the pages of a new, sparse file). Without it a
-  run's saves 1–3 wrote into new pages and saves 4–6 mapped the recycled
-  ones, each at 2–10× the copy; with it, from the second save on, the save
-  finds its files mapped. The next save waits for a preparation still
-  running (it would do the same work itself).
-
-  The page tables are filled with ``madvise(MADV_POPULATE_WRITE)`` (Linux
-  5.14), one 16 MiB chunk per call, not with ``MAP_POPULATE``: that holds
-  the process's memory-map lock for the whole file, and any ``mmap`` or
-  ``munmap`` of the training loop meanwhile (a large tensor allocated or
-  freed) waited for it, up to 2 s for a new 2 GB file. A chunk holds it for
-  milliseconds. Where the call is missing (older kernels) or fails (a full
-  tmpfs), the mapping is given up and the save maps the file itself.
-
-A mapping is only written within the file's current size, and only when the
-file has no holes (checked at each save: ``target``). A preparation on a
-full tmpfs leaves holes (the call fails where a store would raise SIGBUS);
-the save then finds them and writes with ``pwrite``, which fails with
-ENOSPC, and the trainer stages on T0 instead.
-
-A kept mapping pins its file's pages: if the agent deletes the file (to
-make room) the pages stay allocated until the trainer's next saves drop the
-mapping, at most ``KEEP`` segments' worth per trainer, plus the one prepared.
+Once its save is done a segment's files are never written again, so its
+mappings are dropped then, unmapped in a background thread (a large
+mapping takes tens of milliseconds to tear down): a trainer never keeps a
+mapping of a file the agent may free.
 """
 
 from __future__ import annotations
@@ -54,7 +41,6 @@ Key = tuple[int, int]  # (st_dev, st_ino)
 # The preparation's niceness: it runs while the trainer trains and the agent
 # uploads; neither should wait for it.
 PREPARE_NICE = 19
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, all architectures
 POPULATE_CHUNK = 16 << 20
 
@@ -91,52 +77,41 @@ def populate(mapping: mmap.mmap) -> bool:
 
 
 class Mappings:
-    """Shared mappings of the segment files a trainer wrote in its last
-    ``KEEP`` saves, by inode. Three: with the next save's segment reserved
-    as the last one is staged, three sets of files take turns (the newest
-    kept on T0's behalf, the one staged, the one reserved ahead), each
-    coming back every third save.
+    """The mappings of the segment prepared for the next save, by inode.
 
     Not thread-safe (one checkpointer's saves are sequential); the
     preparation's thread only maps, and its mappings join ``_maps`` on the
     caller's thread (:meth:`_settle`)."""
 
-    KEEP = 3
-
     def __init__(self) -> None:
         # (dev, inode) -> (its own descriptor, the mapping, a view of it)
         self._maps: dict[Key, tuple[int, mmap.mmap, torch.Tensor]] = {}
-        self._recent: list[set[Key]] = []
         self._preparing: threading.Thread | None = None
         self._prepared: list[tuple[Key, int, mmap.mmap]] = []
 
     def target(self, fd: int, size: int, used: set[Key]) -> torch.Tensor | None:
-        """A uint8 tensor over the first ``size`` bytes of open file ``fd``,
-        or None when the file has holes (write it with pwrite)."""
+        """A uint8 tensor over the first ``size`` bytes of open file ``fd``
+        when it was prepared, or None (write it with pwrite)."""
         self._settle()
         info = os.fstat(fd)
-        if size == 0 or info.st_size < size or info.st_blocks * 512 < size:
-            return None
         key = (info.st_dev, info.st_ino)
-        if not self._holds(key, size):
-            self._drop(key)
-            mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | _POPULATE)
-            self._keep(key, os.dup(fd), mapping)
+        found = self._maps.get(key)
+        if size == 0 or found is None or info.st_size < size or len(found[1]) < size:
+            return None
         used.add(key)
-        return self._maps[key][2][:size]
+        return found[2][:size]
 
     def saved(self, used: set[Key]) -> None:
-        """One save done: keep the mappings of the last ``KEEP`` saves."""
+        """One save done: its files are never written again, so every
+        mapping goes (``used`` is the save's; any other is stale)."""
+        del used
         self._settle()
-        self._recent = [*self._recent, used][-self.KEEP :]
-        alive = set().union(*self._recent)
-        for key in [k for k in self._maps if k not in alive]:
-            self._drop(key)
+        self._drop_all()
 
     def prepare(self, directory: Path, sizes: Mapping[str, int]) -> None:
         """Map the files of ``directory`` (the segment reserved for the next
         save; ``sizes``: the files written in place and the sizes that save
-        will write) that no kept mapping covers, in a background thread."""
+        will write) and allocate their pages, in a background thread."""
         self._settle()
         todo: list[tuple[Key, int, int]] = []
         for name, size in sizes.items():
@@ -146,7 +121,7 @@ class Mappings:
                 continue
             info = os.fstat(fd)
             key = (info.st_dev, info.st_ino)
-            if size == 0 or info.st_size < size or self._holds(key, size):
+            if size == 0 or info.st_size < size or key in self._maps:
                 os.close(fd)
                 continue
             todo.append((key, fd, info.st_size))
@@ -159,24 +134,19 @@ class Mappings:
 
     def close(self) -> None:
         self._settle()
-        for key in list(self._maps):
-            self._drop(key)
-        self._recent = []
+        self._drop_all()
 
     def _map_all(self, todo: list[tuple[Key, int, int]]) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)
-        except OSError:  # not permitted here: it runs at the trainer's
-            pass
+        _lower_priority()
         for key, fd, length in todo:
             try:
                 mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
-            except (OSError, ValueError):  # the save maps it, or writes it, itself
+            except (OSError, ValueError):  # the save writes it itself
                 os.close(fd)
                 continue
             if populate(mapping):
                 self._prepared.append((key, fd, mapping))
-            else:  # as if not prepared: the save maps it (or writes the holes) itself
+            else:  # as if not prepared: the save writes it (holes and all) with pwrite
                 mapping.close()
                 os.close(fd)
 
@@ -188,26 +158,31 @@ class Mappings:
         thread.join()
         prepared, self._prepared = self._prepared, []
         for key, fd, mapping in prepared:
-            self._drop(key)
-            self._keep(key, fd, mapping)
+            self._maps[key] = (fd, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
 
-    def _holds(self, key: Key, size: int) -> bool:
-        """A kept mapping of ``key`` at least ``size`` long, whose file is
-        still linked. The kept descriptor holds the inode, so its number is
-        not given to another file while it is kept."""
-        found = self._maps.get(key)
-        return found is not None and len(found[1]) >= size and os.fstat(found[0]).st_nlink > 0
-
-    def _keep(self, key: Key, fd: int, mapping: mmap.mmap) -> None:
-        self._maps[key] = (fd, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
-
-    def _drop(self, key: Key) -> None:
-        found = self._maps.pop(key, None)
-        if found is None:
+    def _drop_all(self) -> None:
+        if not self._maps:
             return
-        kept, mapping, view = found
-        del view, found
-        os.close(kept)
+        dropped = list(self._maps.values())
+        self._maps.clear()
+        threading.Thread(
+            target=_unmap, args=(dropped,), name="tierckpt-unmap-segment", daemon=True
+        ).start()
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)
+    except OSError:  # not permitted here: it runs at the trainer's
+        pass
+
+
+def _unmap(dropped: list[tuple[int, mmap.mmap, torch.Tensor]]) -> None:
+    _lower_priority()
+    while dropped:
+        fd, mapping, view = dropped.pop()
+        del view
+        os.close(fd)
         try:
             mapping.close()
         except BufferError:  # a view is still referenced: the collector unmaps it

@@ -19,11 +19,21 @@ A segment is a directory ``seg-<id>/`` holding
   the segment is only a cache for fast restarts and may be freed any time.
 
 Segments are files (on a tmpfs by default), so they outlive the trainer and
-the agent; the accounting is rebuilt from them at start (``open``). The
-files of a freed segment are kept as spares for the next reservation
-(spares.py): the trainer then writes into pages that exist already. Nothing
-is fsynced here: a tmpfs has nothing to sync, and a reboot loses the memory
-(staged checkpoints included, which the documentation says).
+the agent; the accounting is rebuilt from them at start (``open``).
+
+Every reservation gets new files, and a freed segment's files are unlinked,
+never handed to another reservation: once a file has been written and
+registered, the agent never truncates or rewrites it. A process that still
+reads or maps one (an upload, a restore, a user's own reader) keeps its
+bytes until it lets go, whatever the agent does meanwhile: unlinking never
+changes an inode's content, on any process's side. (Recycling freed files
+for their pages would rewrite a file under a reader that mapped it: a
+restore's tensors then silently become another checkpoint's bytes.) The new
+files' pages are allocated by the trainer's checkpointer in the background
+between saves (client/torch/segment_mappings.py), so a save still copies
+into pages that exist. Nothing is fsynced here: a tmpfs has nothing to
+sync, and a reboot loses the memory (staged checkpoints included, which the
+documentation says).
 """
 
 from __future__ import annotations
@@ -42,7 +52,6 @@ from ..checkpoints.schemas import iso_timestamp
 from ..errors import ApiError, BadInput, Conflict, NotFound
 from ..whole_files import read_json, write_json_atomically
 from .holder import HOLDER, holder_gone
-from .spares import SparePool
 
 RESERVATION = "reservation.json"
 REGISTRATION = "registration.json"
@@ -50,6 +59,7 @@ PERSISTED = "persisted.json"
 FAILED = "failed.json"
 DATA = "data"
 PREFIX = "seg-"
+# Where older agents kept freed files for reuse; removed at start when found.
 SPARES = "spare"
 
 
@@ -129,17 +139,16 @@ class Arena:
         self.budget = budget
         self.lease_seconds = lease_seconds
         self.segments: dict[str, Segment] = {}
-        self.spares = SparePool(root / SPARES)
 
     @property
     def used(self) -> int:
-        return sum(s.nbytes for s in self.segments.values()) + self.spares.total
+        return sum(s.nbytes for s in self.segments.values())
 
     def open(self) -> None:
         """Create the directory and rebuild the accounting from the segments
         an earlier life left (staged ones are then persisted by the agent)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.spares.open()
+        shutil.rmtree(self.root / SPARES, ignore_errors=True)
         self.segments.clear()
         for entry in self.root.iterdir():
             if not entry.name.startswith(PREFIX) or not entry.is_dir():
@@ -187,7 +196,7 @@ class Arena:
         evict: bool = True,
     ) -> Segment:
         """A new segment for these files, or MemoryFull. Frees what it may
-        first: expired reservations, spares, then (``evict``) persisted
+        first: expired reservations, then (``evict``) persisted
         segments, oldest first. ``step`` None: reserved ahead (``adopt``)."""
         nbytes = sum(files.values())
         if nbytes > self.budget:
@@ -198,7 +207,7 @@ class Arena:
                 code="segment_too_large",
             )
         self.reclaim_abandoned()
-        recycled = self._make_room(files, evict)
+        self._make_room(nbytes, evict)
         now = time.time()
         segment = Segment(
             id=uuid.uuid4().hex,
@@ -216,34 +225,24 @@ class Arena:
         segment.directory.mkdir(mode=0o700)
         segment.data.mkdir()
         # Every file is there at its size before the trainer gets the segment:
-        # a spare's pages, or a sparse new file.
+        # a new, sparse file (its pages are allocated as the trainer writes).
         for relative, size in files.items():
             path = segment.data / relative
             path.parent.mkdir(parents=True, exist_ok=True)
-            if relative not in recycled or not self.spares.take(recycled[relative], path, size):
-                with open(path, "xb") as handle:
-                    handle.truncate(size)
+            with open(path, "xb") as handle:
+                handle.truncate(size)
         _write_reservation(segment)
         self.segments[segment.id] = segment
         return segment
 
-    def _make_room(self, files: dict[str, int], evict: bool = True) -> dict[str, Path]:
-        """Free what the reservation of ``files`` needs (spares it does not
-        reuse, then, with ``evict``, persisted segments, oldest first, whose
-        files become spares it may reuse); the spares it reuses, or MemoryFull."""
-        nbytes = sum(files.values())
+    def _make_room(self, nbytes: int, evict: bool = True) -> None:
+        """Free what a reservation of ``nbytes`` needs (with ``evict``,
+        persisted segments, oldest first), or MemoryFull."""
         evictable = sorted(
             (s for s in self.segments.values() if evict and s.state in ("persisted", "failed")),
             key=lambda s: s.created,
         )
-        while True:
-            plan = self.spares.plan(files)
-            fresh = nbytes - sum(self.spares.files[p] for p in plan.values())
-            over = self.used + fresh - self.budget
-            if over <= 0:
-                break
-            if self.spares.evict(over, keep=plan.values()) >= over:
-                continue
+        while self.used + nbytes > self.budget:
             if not evictable:
                 raise MemoryFull(
                     f"the memory tier holds {self.used} of {self.budget} bytes in "
@@ -253,12 +252,11 @@ class Arena:
                 )
             self.release(evictable.pop(0).id)
         free = self._free_bytes()
-        if free is not None and free < fresh:
+        if free is not None and free < nbytes:
             raise MemoryFull(
                 f"the arena's file system ({self.root}) has {free} bytes free, "
-                f"{fresh} are needed; lower [memory] bytes or give /dev/shm more room"
+                f"{nbytes} are needed; lower [memory] bytes or give /dev/shm more room"
             )
-        return plan
 
     def _free_bytes(self) -> int | None:
         try:
@@ -350,15 +348,10 @@ class Arena:
         segment.failed = error
 
     def release(self, segment_id: str) -> None:
-        """Free a segment; its files become spares (their pages stay)."""
+        """Free a segment: its files are unlinked, never reused (see above)."""
         segment = self.segments.pop(segment_id, None)
         if segment is None:
             return
-        for dirpath, _dirnames, filenames in os.walk(segment.data):
-            for name in filenames:
-                path = Path(dirpath) / name
-                if path.is_file() and not path.is_symlink():
-                    self.spares.add(path)
         shutil.rmtree(segment.directory, ignore_errors=True)
 
     def staged(self) -> list[Segment]:

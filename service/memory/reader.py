@@ -11,7 +11,6 @@ until the T0 copy is renamed into place, and fail the checkpoint.
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 
@@ -20,20 +19,14 @@ from .arena import DATA, FAILED, PREFIX, REGISTRATION, RESERVATION
 from .persist import open_beneath
 
 
-def open_locked(data: Path, relative: str) -> int | None:
-    """``data/relative`` open for reading under a shared lock (no spare is
-    handed out while it is held: spares.py), or None (gone, or being handed
-    out as a spare right now: the upload reads T0 instead)."""
+def open_data(data: Path, relative: str) -> int | None:
+    """``data/relative`` open for reading, or None when it is gone (the
+    upload reads T0 instead). Its bytes cannot change under the reader: the
+    agent never rewrites a segment's file, it only unlinks it (arena.py)."""
     try:
-        fd = open_beneath(data, relative)
+        return open_beneath(data, relative)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
 
 
 class ArenaReader:
@@ -63,5 +56,5 @@ class ArenaReader:
                 or (directory / FAILED).exists()
             ):
                 continue
-            return open_locked(directory / DATA, relative)
+            return open_data(directory / DATA, relative)
         return None

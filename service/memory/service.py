@@ -27,7 +27,7 @@ from ..names import RUN_PATTERN, agent_directory_name, not_a_dot_segment
 from ..resources import Resources
 from .arena import Arena, MemoryFull, Segment
 from .persist import SegmentPersister
-from .reader import open_locked
+from .reader import open_data
 
 MAX_FILE_BYTES = 2**50
 
@@ -224,7 +224,7 @@ class MemoryTier:
 
     def _reserve_ahead(self, staged: Segment) -> dict[str, Any] | None:
         """A segment of ``staged``'s files for its run's next save, or None.
-        Only from free room and spares: it never evicts a checkpoint's copy
+        Only from free room: it never evicts a checkpoint's copy
         (nor makes a save wait), and a reservation that is not staged within
         the lease is reclaimed as any other."""
         earlier = self.arena.segments.get(self._ahead.get(staged.id, ""))
@@ -262,8 +262,7 @@ class MemoryTier:
             )
 
     def open_file(self, shard_path: Path, relative: str) -> int | None:
-        """The memory copy of a registered T0 file, open for reading under a
-        shared lock (no spare is handed out while it is held: spares.py), or
+        """The memory copy of a registered T0 file, open for reading, or
         None. Called from upload threads: reads a snapshot of the segments."""
         target = str(shard_path)
         for segment in list(self.arena.segments.values()):
@@ -274,7 +273,7 @@ class MemoryTier:
                 or relative not in segment.files
             ):
                 continue
-            return open_locked(segment.data, relative)
+            return open_data(segment.data, relative)
         return None
 
     def release(self, segment_id: str) -> None:

@@ -154,12 +154,12 @@ async def test_full_arena_answers_507_and_frees_space_as_segments_persist(
             "/v1/memory/segments", json={"run": "full", "step": 2, "files": _sizes(big)}
         )
         assert again.status_code == 201, again.text
-        # Given back (a save that goes to disk after all): its files are
-        # spares, whose room the next reservation gets.
+        # Given back (a save that goes to disk after all): its room is the
+        # next reservation's.
         released = await agent.http.delete(f"/v1/memory/segments/{again.json()['id']}")
         assert released.status_code == 200
         info = (await agent.http.get("/v1/memory")).json()
-        assert info["segments"] == [] and info["used"] == 600_000
+        assert info["segments"] == [] and info["used"] == 0
         reused = await agent.http.post(
             "/v1/memory/segments", json={"run": "full", "step": 3, "files": _sizes(big)}
         )

@@ -81,62 +81,72 @@ def test_a_segment_that_cannot_be_written_raises_instead_of_crashing(tmp_path: P
         staged.write(tmp_path / "missing")
 
 
-def test_recycled_files_are_written_through_kept_mappings(tmp_path: Path) -> None:
+def test_saves_write_through_the_mapping_prepared_ahead_and_keep_none(tmp_path: Path) -> None:
     arena = Arena(tmp_path / "arena", budget=10 << 20, lease_seconds=60)
     arena.open()
     mappings = Mappings()
     model = torch.nn.Linear(64, 64)
-    inodes = []
-    for step in range(1, 7):
+    ahead = None
+    for step in range(1, 5):
         with torch.no_grad():
             model.weight.add_(1.0)
         staged = StagedFiles.of(encode_state(step=step, model=model))
-        segment = arena.reserve("r", step, 0, 1, staged.sizes())
+        segment = ahead or arena.reserve("r", step, 0, 1, staged.sizes())
+        if ahead is not None:
+            mappings._settle()
+            # The prepared files are mapped, their pages allocated: no holes.
+            assert len(mappings._maps) == 2  # the two safetensors files
+            for name in ("model.safetensors", "state.safetensors"):
+                info = (segment.data / name).stat()
+                assert info.st_blocks * 512 >= info.st_size
         staged.write(segment.data, mappings)
+        assert mappings._maps == {}  # nothing kept past its save
+        if ahead is not None:
+            arena.adopt(segment, step)
         arena.check_complete(segment)
         write_state(tmp_path / f"disk-{step}", fsync=False, step=step, model=model)
         for name in staged.sizes():
             assert (segment.data / name).read_bytes() == (
                 tmp_path / f"disk-{step}" / name
             ).read_bytes(), (step, name)
-        inodes.append((segment.data / "model.safetensors").stat().st_ino)
         arena.mark_persisted(segment, f"/t0/{step}")
         arena.free_older(segment, keep_newest=True)
-        if step == 4:
-            mapped = {key: found[1] for key, found in mappings._maps.items()}
-    # Steps 1 and 2 wrote sparse new files (pwrite); every later step got the
-    # files of the step before last back. Steps 3 and 4 mapped them; steps 5
-    # and 6 wrote through those same mappings: none was added.
-    assert inodes[2] == inodes[4] == inodes[0] and inodes[3] == inodes[5] == inodes[1]
-    assert len(mappings._maps) == 4  # two saves × two safetensors files
-    assert {key: found[1] for key, found in mappings._maps.items()} == mapped
+        ahead = arena.reserve("r", None, 0, 1, staged.sizes(), evict=False)
+        mappings.prepare(ahead.data, {name: staged.sizes()[name] for name in staged.layouts})
     mappings.close()
     assert mappings._maps == {}
 
 
-def test_a_spare_still_read_by_an_upload_is_not_handed_out(tmp_path: Path) -> None:
-    import fcntl
+def test_a_freed_file_is_never_rewritten_under_a_reader_that_maps_it(tmp_path: Path) -> None:
+    """A restore that mapped a segment's file (safetensors' load_file does)
+    and an upload that reads it keep their bytes whatever the arena does
+    next: freed files are unlinked, and every reservation gets new files."""
+    import mmap
     import os
 
     arena = Arena(tmp_path / "arena", budget=1000, lease_seconds=60)
     arena.open()
-    first = arena.reserve("r", 1, 0, 1, {"a": 100})
-    (first.data / "a").write_bytes(b"x" * 100)
-    reader = os.open(first.data / "a", os.O_RDONLY)  # an upload reading it from memory
-    fcntl.flock(reader, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    first = arena.reserve("r", 1, 0, 1, {"state": 400, "json": 8})
+    (first.data / "state").write_bytes(b"x" * 400)
+    (first.data / "json").write_bytes(b"{}      ")
+    reader = os.open(first.data / "state", os.O_RDONLY)
+    mapped = mmap.mmap(reader, 400, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    inode = os.fstat(reader).st_ino
     arena.mark_persisted(first, "/t0/r/step-1")
     arena.release(first.id)
-    second = arena.reserve("r", 2, 0, 1, {"a": 100})
-    # A new file, not the one being read, whose bytes stay as they were; the
-    # spare left the pool, so the budget counts the new file only (the CI
-    # once saw 2 segments' worth counted against a budget for one).
-    assert os.fstat(reader).st_ino != (second.data / "a").stat().st_ino
-    assert os.pread(reader, 100, 0) == b"x" * 100
-    assert arena.used == 100 and arena.spares.total == 0
+    assert os.fstat(reader).st_nlink == 0  # unlinked, not kept for reuse
+    for step in range(2, 12):  # reservations of other sizes, written through
+        sizes = {"state": 37 * step, "json": 400 - 37 * step % 300}
+        segment = arena.reserve("r", step, 0, 1, sizes)
+        for name, size in sizes.items():
+            assert (segment.data / name).stat().st_ino != inode
+            (segment.data / name).write_bytes(bytes([step]) * size)
+        arena.mark_persisted(segment, f"/t0/r/step-{step}")
+        arena.release(segment.id)
+        assert mapped[:] == b"x" * 400 and os.pread(reader, 400, 0) == b"x" * 400
+    assert arena.used == 0
+    mapped.close()
     os.close(reader)
-    arena.release(second.id)
-    third = arena.reserve("r", 3, 0, 1, {"a": 100})
-    assert arena.used <= 1000 and (third.data / "a").stat().st_size == 100
 
 
 def _files(size: int) -> dict[str, int]:
@@ -169,7 +179,7 @@ def test_segments_that_do_not_hold_the_reserved_files_are_refused(tmp_path: Path
     arena = Arena(tmp_path / "arena", budget=1000, lease_seconds=60)
     arena.open()
     segment = arena.reserve("r", 1, 0, 1, {"a": 3, "d/b": 2})
-    # Handed out with every file at its size (sparse, or a spare's pages).
+    # Handed out with every file at its size (new, sparse files).
     assert {p.name: p.stat().st_size for p in segment.data.rglob("*") if p.is_file()} == {
         "a": 3,
         "b": 2,
@@ -189,31 +199,23 @@ def test_segments_that_do_not_hold_the_reserved_files_are_refused(tmp_path: Path
     arena.check_complete(segment)
 
 
-def test_freed_segments_give_their_files_to_the_next_reservation(tmp_path: Path) -> None:
+def test_freed_segments_give_their_room_not_their_files(tmp_path: Path) -> None:
     arena = Arena(tmp_path / "arena", budget=1000, lease_seconds=60)
     arena.open()
     first = arena.reserve("r", 1, 0, 1, {"big": 500, "small": 100})
-    inodes = {(first.data / n).stat().st_ino for n in ("big", "small")}
     arena.mark_persisted(first, "/t0/r/step-1")
     arena.release(first.id)
-    assert arena.used == 600 and arena.spares.total == 600  # the pages are kept
-    second = arena.reserve("r", 2, 0, 1, {"model": 400, "state": 90, "json": 5})
-    # Each file gets the spare that holds it best; cut to its size.
-    assert (second.data / "model").stat().st_ino in inodes
-    assert (second.data / "state").stat().st_ino in inodes
-    assert (second.data / "json").stat().st_ino not in inodes
-    assert [(second.data / n).stat().st_size for n in ("model", "state", "json")] == [400, 90, 5]
-    assert arena.used == 495 and arena.spares.total == 0
-    # Spares are the first freed when room is needed; kept across restarts.
-    arena.release(second.id)
+    assert arena.used == 0 and not first.directory.exists()
+    second = arena.reserve("r", 2, 0, 1, {"whole": 1000})
+    assert (second.data / "whole").stat().st_size == 1000
+    assert (second.data / "whole").stat().st_blocks == 0  # new and sparse
+    # An arena an older agent left with a pool of freed files: dropped at start.
+    spares = tmp_path / "arena" / "spare"
+    spares.mkdir()
+    (spares / "0123").write_bytes(b"x" * 300)
     again = Arena(tmp_path / "arena", budget=1000, lease_seconds=60)
     again.open()
-    assert again.used == 495
-    third = again.reserve("r", 3, 0, 1, {"whole": 900})  # the 400-byte spare, grown
-    assert again.used == 995 and again.spares.total == 95
-    assert (third.data / "whole").stat().st_size == 900
-    again.reserve("r", 4, 0, 1, {"more": 50})  # the 90-byte spare, cut to 50
-    assert again.used == 955 and again.spares.total == 5
+    assert not spares.exists() and again.used == 1000
 
 
 def test_reopened_arena_rebuilds_its_accounting_and_drops_half_made_segments(

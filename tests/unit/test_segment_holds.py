@@ -73,8 +73,8 @@ def test_a_reservation_whose_holder_is_killed_is_freed_before_its_lease(arena: A
         _kill(child)
     assert arena.reclaim_abandoned() == [held.id]
     assert not held.directory.exists()
-    # Its room is the next reservation's (the files became spares).
-    assert arena.used == 100
+    # Its room is the next reservation's (its files are unlinked).
+    assert arena.used == 0
     arena.reserve("r", 7, 0, 1, {"a.bin": 100})
     assert arena.used == 100
 

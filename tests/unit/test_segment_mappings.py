@@ -1,5 +1,5 @@
-"""The trainer's kept mappings of segment files, and their preparation ahead
-of a save (client/torch/segment_mappings.py), on real tmpfs files."""
+"""The trainer's mappings of the segment reserved for its next save, made
+ahead of the save (client/torch/segment_mappings.py), on real tmpfs files."""
 
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ def _allocated(path: Path) -> bool:
 def test_the_segment_reserved_ahead_is_mapped_before_its_save(
     tmp_path: Path, shm_dir: Path
 ) -> None:
-    """The second save of a run gets a new sparse segment (nothing freed yet
-    to recycle). Prepared while the trainer trains, its files' pages are
-    allocated and mapped before the save, which copies through those very
-    mappings (none made in its stall), byte-identical to write_state."""
+    """The second save of a run gets a new sparse segment. Prepared while the
+    trainer trains, its files' pages are allocated and mapped before the
+    save, which copies through those very mappings (none made in its stall),
+    byte-identical to write_state, and keeps none of them afterwards."""
     arena = Arena(shm_dir, budget=10 << 20, lease_seconds=60)
     arena.open()
     mappings = Mappings()
@@ -54,20 +54,28 @@ def test_the_segment_reserved_ahead_is_mapped_before_its_save(
         keys = {_key(ahead.data / name) for name in layouts}
         assert set(mappings._maps) == keys
         assert all(_allocated(ahead.data / name) for name in layouts)
-        prepared = {key: found[1] for key, found in mappings._maps.items()}
+        # A file mapped already is not prepared again: no thread, no new mapping.
+        mappings.prepare(ahead.data, layouts)
+        assert mappings._preparing is None
 
+        targets = []
+        target = mappings.target
+
+        def recording(fd: int, size: int, used: set[tuple[int, int]]) -> object:
+            found = target(fd, size, used)
+            targets.append(found is not None)
+            return found
+
+        mappings.target = recording  # type: ignore[method-assign]
         with torch.no_grad():
             model.weight.add_(1.0)
         second = StagedFiles.of(encode_state(step=2, model=model))
         second.write(ahead.data, mappings)
-        assert {key: found[1] for key, found in mappings._maps.items()} == prepared
+        assert targets == [True, True]  # both files through their prepared mapping
+        assert mappings._maps == {}  # dropped once the save is done
         write_state(tmp_path / "disk", fsync=False, step=2, model=model)
         for name in second.sizes():
             assert (ahead.data / name).read_bytes() == (tmp_path / "disk" / name).read_bytes()
-
-        # A file mapped already is not prepared again: no thread, no new mapping.
-        mappings.prepare(ahead.data, layouts)
-        assert mappings._preparing is None
     finally:
         mappings.close()
     assert mappings._maps == {}
