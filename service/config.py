@@ -385,9 +385,9 @@ class MemorySettings(BaseModel):
     to T0 (fsync, rename) meanwhile."""
 
     bytes: int = Field(default_factory=default_memory_bytes, ge=0)
-    """Budget of the arena in bytes: the segments it holds, plus the files of
-    freed ones kept for reuse (deleted first when room is needed); 0 turns
-    the memory tier off (trainers then write to T0 themselves)."""
+    """Budget of the arena in bytes: the segments it holds (a freed
+    segment's files are deleted, never reused); 0 turns the memory tier off
+    (trainers then write to T0 themselves)."""
     dir: Path = Field(default_factory=default_memory_dir)
     """Directory of the arenas; each agent uses its own subdirectory (named
     after its node and catalog). Use a tmpfs (RAM): segments are files, so
