@@ -197,10 +197,11 @@ class TierckptReader(StorageReader):
         options: TransferOptions | None = None,
     ) -> None:
         super().__init__()
-        from .torch.checkpointer import default_node
+        from ._node import confirm_node, default_node
 
         self.client, self.run, self.root = client, run, Path(os.path.abspath(root))
         self.region, self.node = region, node or default_node()
+        confirm_node(client, self.node)
         self.step = step if step is not None else _latest_step(client, run, region, process_group)
         self.options = options
         self.storage_data: dict[Any, Any] = {}

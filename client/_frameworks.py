@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -70,13 +69,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's live process
     return True
-
-
-def default_node() -> str:
-    """This node's name as the agent knows it: $TIERCKPT_NODE, else the host
-    name (the agent's default ``[server].node``); as in tierckpt.client.torch,
-    repeated so that this module does not import torch."""
-    return os.environ.get("TIERCKPT_NODE") or socket.gethostname()
 
 
 def sha256_of(path: Path) -> str:
@@ -151,25 +143,28 @@ def place_verified(
     dest: Path,
     *,
     node: str,
-    link_from_local: bool = True,
+    from_local: bool = True,
 ) -> tuple[Path, str]:
     """Make ``dest`` (which must not exist) a verified copy of ``checkpoint``;
     returns (``dest``, "local" or "region").
 
-    From this node's T0 copy the files are hard-linked (copied across
-    filesystems) into a hidden sibling of ``dest``, hashed against the
-    catalog and renamed into place; otherwise, or when that copy does not
+    From this node's T0 copy the files are copied (in the kernel: a reflink
+    where the filesystem has them) into a hidden sibling of ``dest``, hashed
+    against the catalog and renamed into place. Copied, not hard-linked:
+    ``dest`` is the trainer's (a framework may load it mapped, or write
+    into it), and a shared inode would tie the agent's copy and the
+    trainer's files together for as long as either lives; otherwise, or when that copy does not
     hash right, the client restores from a region (verified, staged, renamed).
     Either way ``dest`` appears whole or not at all."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    source = local_copy(checkpoint, node) if link_from_local else None
+    source = local_copy(checkpoint, node) if from_local else None
     if source is not None:
         staging = scratch_dir(f"{RESTORE_PREFIX}{dest.name}-", dest.parent)
         try:
             for entry in checkpoint.files:
                 target = staging / entry.path
                 target.parent.mkdir(parents=True, exist_ok=True)
-                link_or_copy(source / entry.path, target)
+                shutil.copyfile(source / entry.path, target)
             if matches_catalog(staging, checkpoint):
                 staging.chmod(0o755)
                 os.rename(staging, dest)

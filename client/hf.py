@@ -61,13 +61,13 @@ from ._files import fsync_dir
 from ._frameworks import (
     RESTORE_PREFIX,
     STAGING_PREFIX,
-    default_node,
     link_or_copy,
     matches_catalog,
     place_verified,
     remove_leftovers,
     scratch_dir,
 )
+from ._node import confirm_node, default_node
 from .errors import ConflictError, NotFoundError, TierckptError
 from .models import Checkpoint
 from .sync_client import CheckpointClient
@@ -235,6 +235,7 @@ def latest_checkpoint(
     ``dest/checkpoint-N`` verified, for ``resume_from_checkpoint``; None on a
     fresh start (no valid checkpoint yet)."""
     node = node or default_node()
+    confirm_node(client, node)
     latest = client.latest(run, node=node)
     if latest is None:
         return None

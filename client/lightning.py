@@ -80,12 +80,12 @@ from ._files import fsync_dir, fsync_file
 from ._frameworks import (
     RESTORE_PREFIX,
     STAGING_PREFIX,
-    default_node,
     local_copy,
     remove_leftovers,
     resolve_step,
     scratch_dir,
 )
+from ._node import confirm_node, default_node
 from .errors import ConflictError
 from .sync_client import CheckpointClient
 
@@ -305,6 +305,7 @@ class TierckptCheckpointIO(CheckpointIO):
             loaded = self._torch_io.load_checkpoint(path, **kwargs)
             self.restored = Loaded(step=None, source="file", path=os.fspath(path))
             return loaded
+        confirm_node(self.client, self.node)
         checkpoint = resolve_step(self.client, self.run, step, self.node)
         local = local_copy(checkpoint, self.node)
         if local is not None:

@@ -41,6 +41,7 @@ objects); tensors and JSON never run code. Checkpoints come from the service,
 SHA-256 verified.
 """
 
+from .._node import default_node
 from .checkpoint_dir import (
     FORMAT,
     MODEL_FILE,
@@ -55,7 +56,7 @@ from .checkpoint_dir import (
     save_state,
     write_state,
 )
-from .checkpointer import Restored, TorchCheckpointer, default_node
+from .checkpointer import Restored, TorchCheckpointer
 from .dcp import (
     DistributedRestored,
     PendingSave,

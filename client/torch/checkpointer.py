@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from .._files import fsync_file
+from .._node import check_node, default_node
 from ..errors import (
     CheckpointFailedError,
     ConflictError,
@@ -62,12 +62,6 @@ class Restored:
     seconds: float
     path: str | None = None
     regions: tuple[str, ...] = ()  # where the checkpoint is committed
-
-
-def default_node() -> str:
-    """This node's name as the agent knows it: $TIERCKPT_NODE, else the host
-    name (the agent's default ``[server].node``)."""
-    return os.environ.get("TIERCKPT_NODE") or socket.gethostname()
 
 
 class TorchCheckpointer:
@@ -276,6 +270,7 @@ class TorchCheckpointer:
         if self._memory is None:
             try:
                 self._memory = self.client.memory_info()
+                check_node(self.node, self._memory.node, self.client.base_url)
             except TierckptError as exc:
                 log.info("agent memory tier unknown (%s); staging on disk", exc)
                 return MemoryInfo(enabled=False)

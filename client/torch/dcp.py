@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._node import confirm_node, default_node
 from ..errors import NotFoundError, TierckptError
 from ..models import Checkpoint
 from ..restore import safe_relpath
 from ..sync_client import CheckpointClient
 from .checkpoint_dir import RESTORE_PREFIX, STAGING_PREFIX
-from .checkpointer import default_node
 
 log = logging.getLogger("tierckpt.client.torch")
 
@@ -363,7 +363,9 @@ def restore_distributed_report(
     scratch = Path(tempfile.mkdtemp(prefix=f"{RESTORE_PREFIX}{step}-rank{rank}-", dir=run_dir))
     try:
         source = "local"
-        files = _link_local_copies(client, run, step, region, node or default_node(), scratch)
+        node = node or default_node()
+        confirm_node(client, node)
+        files = _link_local_copies(client, run, step, region, node, scratch)
         if files is None:
             source = "region"
             files = client.restore(run, scratch / "ckpt", step=step, region=region)

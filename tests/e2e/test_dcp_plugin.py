@@ -27,6 +27,8 @@ from tests.e2e.test_torch_resume import NODE, AgentFactory, settle, start_agent 
 
 pytest.importorskip("torch")
 
+from tests.e2e.restore_trainer import mapped_under
+
 pytestmark = [
     pytest.mark.e2e,
     # DCP warns that a load or save without a process group is one process's:
@@ -138,6 +140,7 @@ def _load_one_rank(url: str, root: Path, node: str) -> tuple[Any, dict[str, Any]
     with CheckpointClient(url, timeout=60) as client:
         reader = TierckptReader(client, "plugin", root, node=node)
         dcp.load(state, storage_reader=reader)
+    assert mapped_under([str(root)]) == []  # the loaded tensors are this process's own
     return reader, state
 
 

@@ -128,7 +128,7 @@ def test_resume_from_latest_checkpoint_matches_an_uninterrupted_run(
         if p.is_file()
     } == registered
 
-    # On this node: linked from the registered copy. A damaged checkpoint-4
+    # On this node: copied from the registered copy. A damaged checkpoint-4
     # already at the destination is moved aside, never returned.
     local_dest = agent.ssd / "hf" / "part-local"
     shutil.copytree(output / ".tierckpt" / "part" / "checkpoint-4", local_dest / "checkpoint-4")
@@ -137,10 +137,10 @@ def test_resume_from_latest_checkpoint_matches_an_uninterrupted_run(
     here = latest_checkpoint(agent.client, "part", local_dest, node=NODE)
     assert here == str(local_dest / "checkpoint-4")
     assert len(list(local_dest.glob(".tierckpt-stale-checkpoint-4-*"))) == 1
-    assert os.path.samefile(
-        Path(here) / "model.safetensors",
-        output / ".tierckpt" / "part" / "checkpoint-4" / "model.safetensors",
-    )
+    # Copied, not linked: the trainer's files share no inode with the agent's.
+    registered = output / ".tierckpt" / "part" / "checkpoint-4" / "model.safetensors"
+    assert not os.path.samefile(Path(here) / "model.safetensors", registered)
+    assert (Path(here) / "model.safetensors").read_bytes() == registered.read_bytes()
 
     # Every process of a job may ask at once, into one destination: each
     # gets the same verified directory.

@@ -40,6 +40,7 @@ pytest.importorskip("lightning")
 
 from examples.lightning_train import Tiny, main, make_trainer  # noqa: E402
 from tests.e2e.lightning_app import WRITING  # noqa: E402
+from tests.e2e.restore_trainer import mapped_under  # noqa: E402
 from tierckpt.client import NotFoundError  # noqa: E402
 from tierckpt.client.lightning import TierckptCheckpointIO  # noqa: E402
 
@@ -139,6 +140,7 @@ def test_resume_through_tierckpt_matches_an_uninterrupted_run(
     )
     assert plugin.restored is not None
     assert (plugin.restored.step, plugin.restored.source) == (4, "local")
+    assert mapped_under([str(agent.ssd)]) == []  # the state is the trainer's own memory
     parents = {s: agent.client.get("part", s).parent for s in (4, 6, 8)}
     assert {s: p.step if p else None for s, p in parents.items()} == {4: 2, 6: 4, 8: 6}
     assert same_tensors(weights(model), full_weights)
