@@ -141,6 +141,11 @@ def test_resume_through_tierckpt_matches_an_uninterrupted_run(
     assert plugin.restored is not None
     assert (plugin.restored.step, plugin.restored.source) == (4, "local")
     assert mapped_under([str(agent.ssd)]) == []  # the state is the trainer's own memory
+    # last.ckpt names the newest save, not the first run's last one.
+    checkpoints = tmp_path / "part" / "checkpoints"
+    assert not list(checkpoints.glob("last-v*.ckpt"))
+    newest = {p.stat().st_ino for p in plugin.step_dir(8).glob("*.ckpt")}
+    assert os.stat(checkpoints / "last.ckpt").st_ino in newest
     parents = {s: agent.client.get("part", s).parent for s in (4, 6, 8)}
     assert {s: p.step if p else None for s, p in parents.items()} == {4: 2, 6: 4, 8: 6}
     assert same_tensors(weights(model), full_weights)
