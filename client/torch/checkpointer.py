@@ -270,7 +270,7 @@ class TorchCheckpointer:
         if self._memory is None:
             try:
                 self._memory = self.client.memory_info()
-                check_node(self.node, self._memory.node, self.client.base_url)
+                check_node(self.node, self._memory.node, getattr(self.client, "base_url", ""))
             except TierckptError as exc:
                 log.info("agent memory tier unknown (%s); staging on disk", exc)
                 return MemoryInfo(enabled=False)

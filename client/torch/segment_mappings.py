@@ -88,6 +88,7 @@ class Mappings:
         self._maps: dict[Key, tuple[int, mmap.mmap, torch.Tensor]] = {}
         self._preparing: threading.Thread | None = None
         self._prepared: list[tuple[Key, int, mmap.mmap]] = []
+        self._unmapping: threading.Thread | None = None
 
     def target(self, fd: int, size: int, used: set[Key]) -> torch.Tensor | None:
         """A uint8 tensor over the first ``size`` bytes of open file ``fd``
@@ -133,8 +134,16 @@ class Mappings:
             thread.start()
 
     def close(self) -> None:
+        """Unmap everything before returning: a thread still unmapping while
+        the interpreter exits would free tensors under its finalization."""
         self._settle()
         self._drop_all()
+        self._join_unmapping()
+
+    def _join_unmapping(self) -> None:
+        thread, self._unmapping = self._unmapping, None
+        if thread is not None:
+            thread.join()
 
     def _map_all(self, todo: list[tuple[Key, int, int]]) -> None:
         _lower_priority()
@@ -165,9 +174,11 @@ class Mappings:
             return
         dropped = list(self._maps.values())
         self._maps.clear()
-        threading.Thread(
+        self._join_unmapping()  # one at a time (the last one is long done)
+        self._unmapping = threading.Thread(
             target=_unmap, args=(dropped,), name="tierckpt-unmap-segment", daemon=True
-        ).start()
+        )
+        self._unmapping.start()
 
 
 def _lower_priority() -> None:
