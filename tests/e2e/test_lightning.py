@@ -236,6 +236,8 @@ def test_a_save_killed_halfway_is_never_picked(
     assert not leftovers[0].exists()  # cleaned when the plugin started
     assert same_tensors(weights(model), full_weights)
     assert settle(agent.url, "killed") == {step: "durable" for step in (2, 4, 6, 8)}
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    assert not list(checkpoints.glob("last-v*.ckpt"))
 
 
 def test_the_example_starts_fresh_then_resumes(
