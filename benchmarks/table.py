@@ -14,8 +14,9 @@ results file; nothing is typed in by hand.
 
 A headline names rows of a scenario by their variant and metric, as the
 scenario wrote them (``benchmarks.stats.row``). ``{name}`` in a variant
-matches any text and names it; the contender's variant and the figure's
-label may use it (one line per match: each catalog, each state size). A
+matches a part of the label and names it (``{name*}``: any text); the
+contender's variant and the figure's label may use it (one line per match:
+each catalog, each state size). A
 scenario that ran but has no row a headline names is an error, so a renamed
 row cannot silently leave the table.
 """
@@ -85,7 +86,7 @@ HEADLINES: tuple[Headline, ...] = (
         "boto3 default",
     ),
     Headline(
-        "agent CPU per GB uploaded (SHA-256 included)",
+        "agent CPU per GB uploaded (its worker process and SHA-256 included)",
         "cpu",
         "tierckpt agent",
         "CPU",
@@ -93,7 +94,7 @@ HEADLINES: tuple[Headline, ...] = (
         "boto3 default",
     ),
     Headline(
-        "agent peak RSS uploading one {size} checkpoint",
+        "agent peak RSS uploading one {size} checkpoint (its worker process included)",
         "memory",
         "agent, {size} checkpoint",
         "peak RSS (VmHWM)",
@@ -178,7 +179,7 @@ HEADLINES: tuple[Headline, ...] = (
     Headline(
         "registrations/s, 64 concurrent clients: {setup}",
         "registration_rate",
-        "{setup}",
+        "{setup*}",
         "rate",
         target=Target(500, at_most=False, on_ratio=False, unit="reg/s"),
     ),
@@ -258,15 +259,17 @@ HEADLINES: tuple[Headline, ...] = (
     ),
 )
 
-_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+_PLACEHOLDER = re.compile(r"\{(\w+)(\*?)\}")
 
 
 def _pattern(variant: str) -> re.Pattern[str]:
-    """``variant`` as a pattern: each ``{name}`` matches any text."""
+    """``variant`` as a pattern: each ``{name}`` matches text without a
+    comma or a colon (a catalog's name, a state's size: not the rest of a
+    longer label), ``{name*}`` any text."""
     parts, last = [], 0
     for found in _PLACEHOLDER.finditer(variant):
         parts.append(re.escape(variant[last : found.start()]))
-        parts.append(f"(?P<{found.group(1)}>.+?)")
+        parts.append(f"(?P<{found.group(1)}>{'.+?' if found.group(2) else '[^,:]+?'})")
         last = found.end()
     parts.append(re.escape(variant[last:]))
     return re.compile("".join(parts))
@@ -285,6 +288,8 @@ def _spread(values: Sequence[float], unit: str = "") -> str:
 
 
 def _with_unit(unit: str) -> str:
+    if unit == "ratio":  # a fraction: the number says it
+        return ""
     return unit if unit in ("", "%", "×") else f" {unit}"
 
 
