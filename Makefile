@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser slurm demo serve test test-unit chaos lint migrate bench docs clean
+.PHONY: install browser slurm demo serve test test-unit chaos lint migrate bench bench-table docs clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -69,8 +69,8 @@ serve: $(STAMP)
 # under 15 minutes, and on a slow machine that list says where it goes.
 # Three workers, not two, on a 2-core machine: the tests' own waits (agents
 # starting, polls, leases, drains) leave a third of two workers' CPU idle;
-# on one such machine pytest took 911 s with 2 and 653 s with 3 (on a slower
-# one 935 s and 906 s: no worse; benchmarks/README.md, twenty-seventh machine).
+# with 3 the suite ended sooner than with 2, and never later (commit 46feb57
+# has the figures).
 TEST_WORKERS ?= 3
 test: $(STAMP) browser slurm
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist worksteal) --durations=25 $(PYTEST_ARGS)
@@ -94,8 +94,14 @@ lint: $(STAMP)
 migrate: $(STAMP)
 	$(BIN)/tierckpt migrate $(if $(CONFIG),--config $(CONFIG))
 
+# Writes benchmarks/results/latest.json, then README.md's Measured table from it.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(if $(QUICK),--quick)
+	$(BIN)/python -m benchmarks.table
+
+# README.md's Measured table from benchmarks/results/latest.json (a unit test checks it is current).
+bench-table: $(STAMP)
+	$(BIN)/python -m benchmarks.table
 
 # docs/configuration.md is generated from service/config.py (a test checks it is current).
 docs: $(STAMP)

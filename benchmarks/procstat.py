@@ -29,6 +29,20 @@ def memory_kib(pid: int) -> dict[str, int]:
     return out
 
 
+def tree_memory_kib(pid: int) -> dict[str, int]:
+    """:func:`memory_kib` summed over `pid` and its direct children now
+    running: the agent and its worker process, which holds the upload
+    buffers. The sum of the peaks bounds the peak of the sum."""
+    total = memory_kib(pid)
+    for child in child_pids(pid):
+        try:
+            mine = memory_kib(child)
+        except OSError:
+            continue  # exited meanwhile
+        total = {key: total.get(key, 0) + mine.get(key, 0) for key in ("VmRSS", "VmHWM")}
+    return total
+
+
 def self_cpu_seconds() -> float:
     """CPU seconds of this process, all threads (boto3's transfer threads included)."""
     times = os.times()

@@ -73,6 +73,9 @@ class ClientCore:
     """Connection settings, the journal, and the flows of both clients."""
 
     _restored: CheckpointRef | None = None
+    # Where restore downloads go (the caller's transport; None: the tuned
+    # direct one). Set by the public clients (_face.py).
+    _download_transport: httpx.AsyncBaseTransport | None = None
 
     def __init__(
         self,
@@ -94,6 +97,15 @@ class ClientCore:
         # the count, so the count always matches what left the journal.
         self._journal_lock = threading.Lock()
         self._replayed = 0
+
+    def _http_options(self, transport: Any) -> dict[str, Any]:
+        """What every httpx client of this client is built with."""
+        return {
+            "base_url": self.base_url,
+            "timeout": self._timeout,
+            "transport": transport,
+            "headers": {"User-Agent": USER_AGENT},
+        }
 
     # -- sending -------------------------------------------------------------------
 
@@ -534,18 +546,16 @@ class ClientCore:
 
     # -- restore downloads -------------------------------------------------------------
 
-    async def _download(self, request: _effects.Download, http: httpx.AsyncClient | None) -> Path:
-        """Perform a :class:`_effects.Download` through ``http`` (one built on the
-        caller's transport), or, when None, a client of its own over the
-        tuned download transport that reads presigned URLs directly."""
-        own = http is None
-        if http is None:
-            http = httpx.AsyncClient(
-                base_url=self.base_url,
-                timeout=self._timeout,
-                transport=download_transport(self._transfer),
-                headers={"User-Agent": USER_AGENT},
-            )
+    async def _download(self, request: _effects.Download) -> Path:
+        """Perform a :class:`_effects.Download`, on the running loop, through
+        the caller's download transport when it gave one, else through a
+        client of its own over the tuned transport that reads presigned URLs
+        directly."""
+        given = self._download_transport
+        own = given is None
+        http = httpx.AsyncClient(
+            **self._http_options(download_transport(self._transfer) if given is None else given)
+        )
         try:
             return await restore_from_plan(
                 request.plan,

@@ -10,7 +10,7 @@ moved the trainer about 1/15 of the way to a young-generation collection,
 every tenth of those is an older one, and the oldest walks the trainer's
 whole heap (tens of milliseconds with a framework loaded): a pause that
 lands inside whichever call, or training step, happens to trigger it
-(benchmarks/README.md: the register's slowest calls were mostly these).
+(the benchmark's slowest register calls were mostly these).
 
 Every API call reads its answer whole, so once ``request`` returns the body
 is in memory and the stream closed (``elapsed`` set): replacing the stream

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -16,10 +15,9 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import httpx
 
 from . import _api, _effects
-from ._api import DEFAULT_URL, USER_AGENT
 from ._core import ClientCore, public_method
-from ._download import TransferOptions
 from ._effects import Flow
+from ._face import ClientFace
 from ._responses import detached
 from .restore import restore_from_local
 
@@ -38,38 +36,20 @@ def _awaiting(
     return public_method(flow_method, method, "AsyncCheckpointClient")
 
 
-class AsyncCheckpointClient(ClientCore):
+class AsyncCheckpointClient(ClientFace[httpx.AsyncBaseTransport]):
     """``async with AsyncCheckpointClient(url, token) as c: await c.latest(run)``.
 
-    ``transport`` replaces the network (tests, custom TLS); ``transfer`` tunes
-    restore downloads.
-
-    ``journal`` (a file path) makes ``register`` survive an unreachable
-    service: the registration is kept in that local journal and replayed by a
-    background task (see :mod:`tierckpt.client.journal`). The task starts with
+    The settings are :class:`~tierckpt.client._face.ClientFace`'s: ``transport``
+    replaces the network (tests, custom TLS) and carries restore downloads
+    too unless ``async_transport`` names another; ``transfer`` tunes restore
+    downloads. A ``journal`` is replayed by a background task, started with
     the client when created inside a running event loop, else on first use.
     """
 
-    def __init__(
-        self,
-        base_url: str = DEFAULT_URL,
-        token: str | None = None,
-        timeout: float = 30.0,
-        *,
-        retries: int = _api.RETRY_ATTEMPTS,
-        transport: httpx.AsyncBaseTransport | None = None,
-        transfer: TransferOptions | None = None,
-        journal: str | os.PathLike[str] | None = None,
-    ):
-        super().__init__(base_url, token, timeout, retries, transfer, journal)
-        # Restores download through a tuned transport unless given one.
-        self._download_transport = transport
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=timeout,
-            transport=transport,
-            headers={"User-Agent": USER_AGENT},
-        )
+    _http: httpx.AsyncClient
+
+    def _open(self, transport: httpx.AsyncBaseTransport | None) -> None:
+        self._http = httpx.AsyncClient(**self._http_options(transport))
         self._replayer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._settled: asyncio.Event | None = None
@@ -143,8 +123,7 @@ class AsyncCheckpointClient(ClientCore):
             case _effects.Sleep(seconds):
                 await asyncio.sleep(seconds)
             case _effects.Download() as download:
-                given = self._http if self._download_transport is not None else None
-                return await self._download(download, given)
+                return await self._download(download)
             case _effects.CopyLocal(checkpoint, dest, rank, progress):
                 return await asyncio.to_thread(
                     restore_from_local, checkpoint, dest, rank=rank, progress=progress

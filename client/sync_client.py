@@ -8,7 +8,6 @@ the parallel downloader. A journal is replayed by a background thread.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -18,11 +17,10 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import httpx
 
 from . import _api, _effects
-from ._api import DEFAULT_URL, USER_AGENT
 from ._closing import ClosesOnExit
 from ._core import ClientCore, public_method
-from ._download import TransferOptions
 from ._effects import Flow
+from ._face import ClientFace
 from ._responses import detached
 from .restore import restore_from_local
 
@@ -68,40 +66,20 @@ def _blocking(
     return public_method(flow_method, method, "CheckpointClient")
 
 
-class CheckpointClient(ClosesOnExit, ClientCore):
+class CheckpointClient(ClosesOnExit, ClientFace[httpx.BaseTransport]):
     """``with CheckpointClient(url, token) as c: c.register(run, step, path)``.
 
-    ``transport`` replaces the network for API calls; ``async_transport`` for
-    restore downloads (defaults to ``transport`` when it can serve both, as
-    ``httpx.MockTransport`` does). ``transfer`` tunes restore downloads.
-
-    ``journal`` (a file path) makes ``register`` survive an unreachable
-    service: the registration is kept in that local journal and replayed by a
-    background thread (see :mod:`tierckpt.client.journal`).
+    The settings are :class:`~tierckpt.client._face.ClientFace`'s: ``transport``
+    replaces the network for API calls, ``async_transport`` for restore
+    downloads (defaults to ``transport`` when it can serve both, as
+    ``httpx.MockTransport`` does), ``transfer`` tunes restore downloads, and
+    a ``journal`` is replayed by a background thread.
     """
 
-    def __init__(
-        self,
-        base_url: str = DEFAULT_URL,
-        token: str | None = None,
-        timeout: float = 30.0,
-        *,
-        retries: int = _api.RETRY_ATTEMPTS,
-        transport: httpx.BaseTransport | None = None,
-        async_transport: httpx.AsyncBaseTransport | None = None,
-        transfer: TransferOptions | None = None,
-        journal: str | os.PathLike[str] | None = None,
-    ):
-        super().__init__(base_url, token, timeout, retries, transfer, journal)
-        if async_transport is None and isinstance(transport, httpx.AsyncBaseTransport):
-            async_transport = transport
-        self._async_transport = async_transport
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            timeout=timeout,
-            transport=transport,
-            headers={"User-Agent": USER_AGENT},
-        )
+    _http: httpx.Client
+
+    def _open(self, transport: httpx.BaseTransport | None) -> None:
+        self._http = httpx.Client(**self._http_options(transport))
         self._replayer: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -155,15 +133,7 @@ class CheckpointClient(ClosesOnExit, ClientCore):
             case _effects.Sleep(seconds):
                 time.sleep(seconds)
             case _effects.Download() as download:
-                http = None
-                if self._async_transport is not None:
-                    http = httpx.AsyncClient(
-                        base_url=self.base_url,
-                        timeout=self._timeout,
-                        transport=self._async_transport,
-                        headers={"User-Agent": USER_AGENT},
-                    )
-                return _run_blocking(lambda: self._download(download, http))
+                return _run_blocking(lambda: self._download(download))
             case _effects.CopyLocal(checkpoint, dest, rank, progress):
                 return restore_from_local(checkpoint, dest, rank=rank, progress=progress)
             case _effects.JournalAppended():

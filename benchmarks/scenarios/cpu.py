@@ -1,13 +1,13 @@
 """CPU cost per GB uploaded and the agent's memory, from the upload scenario's runs.
 
 - tierckpt: CPU seconds (user + system, /proc/<pid>/stat) of the agent
-  process during register → durable, per GB.
+  and its worker process (which uploads) during register → durable, per GB.
 - boto3: CPU seconds of this benchmark process (all its threads) during the
   uploads, per GB: there is no other work in it meanwhile.
 - SeaweedFS: CPU of the `weed` process during each variant, per GB; the
   server does the same work for every variant, so this is a sanity check.
-- Memory: the agent's VmRSS before the first upload and its VmHWM (peak
-  resident set) after the last one; bounded by design by
+- Memory: the VmRSS of the agent and its worker process before the first
+  upload and their VmHWM (peak resident set, summed) after the last one; bounded by design by
   ``upload.parts_in_flight × upload.part_size_mb``.
 """
 

@@ -31,6 +31,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierckpt.client import CheckpointClient
+from tierckpt.service.worker_process import REPORT_SECONDS
 
 from ..context import REGION_PREFIX, BenchContext, log, settle
 from ..data import link_copy, write_random
@@ -62,6 +63,21 @@ def _counters(url: str) -> dict[str, float]:
             elif sample.name == "tierckpt_dedup_bytes_total":
                 found["dedup"] += sample.value
     return found
+
+
+def _settled_counters(url: str) -> dict[str, float]:
+    """The counters once the worker process has reported all it did: it
+    sends them to the agent every REPORT_SECONDS when they changed, so a read
+    right after `durable` may miss the last upload. Two reads that agree two
+    report intervals apart are final."""
+    last = _counters(url)
+    deadline = time.monotonic() + 60
+    while True:
+        time.sleep(2 * REPORT_SECONDS)
+        now = _counters(url)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
 
 
 def _next_checkpoint(ctx: BenchContext, previous: Path, target: Path) -> tuple[int, int]:
@@ -114,15 +130,15 @@ def measure(ctx: BenchContext, rep: int) -> dict[str, Any]:
         previous = link_copy(ctx.dataset, run_dir / "step-1").root
         total, new = _next_checkpoint(ctx, previous, run_dir / "step-2")
         with CheckpointClient(agent.url) as client:
-            before = _counters(agent.url)
+            before = _settled_counters(agent.url)
             settle()
             full_seconds = _timed(client, 1, previous)
-            middle = _counters(agent.url)
+            middle = _settled_counters(agent.url)
             settle()
             began = time.perf_counter()
             dedup_seconds = _timed(client, 2, run_dir / "step-2")
             wall = time.perf_counter() - began
-            after = _counters(agent.url)
+            after = _settled_counters(agent.url)
         _check_objects(ctx, RUN, 2, run_dir / "step-2")
     finally:
         ctx.stop_agent(agent)

@@ -46,7 +46,7 @@ from tierckpt.client import CheckpointClient
 
 from ..context import REGION_PREFIX, Agent, BenchContext, log, s3_region, settle
 from ..data import KiB, MiB, write_random
-from ..procstat import cpu_seconds
+from ..procstat import tree_cpu_seconds
 from ..stats import GB, MB, ratios, row
 from ..tmpfs_store import empty, tmpfs_seaweed
 
@@ -94,7 +94,7 @@ class _Run:
             CheckpointClient(self.agent.url) as client,
             httpx.Client(base_url=self.agent.url, timeout=30) as http,
         ):
-            cpu_before = cpu_seconds(self.agent.pid)
+            cpu_before = tree_cpu_seconds(self.agent.pid)
             began = time.perf_counter()
             client.register(RUN, step, directory)
             register_seconds = time.perf_counter() - began
@@ -107,7 +107,7 @@ class _Run:
                     raise RuntimeError(f"{RUN}:{step} ended {state}")
                 time.sleep(POLL_SECONDS)
             seconds = time.perf_counter() - began
-            agent_cpu = cpu_seconds(self.agent.pid) - cpu_before
+            agent_cpu = tree_cpu_seconds(self.agent.pid) - cpu_before
             detail = client.get(RUN, step)
         assert detail.created_at and detail.durable_at
         return {

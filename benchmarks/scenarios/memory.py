@@ -4,7 +4,8 @@ A fresh agent (its own catalog, same SeaweedFS region, dedup off) uploads one
 sparse file of that size: the agent still reads, hashes and sends every byte
 (the zeros cost no disk on either side, SeaweedFS stores them compressed), so
 this measures what the pipeline holds, not the dataset. VmHWM (peak resident
-set since the agent started) is read after the checkpoint is durable; the
+set since start) of the agent and of its worker process, which holds the
+upload buffers, summed, is read after the checkpoint is durable; the
 target is ≤ 512 MB whatever the size. The checkpoint is deleted afterwards.
 """
 
@@ -19,7 +20,7 @@ from tierckpt.client import CheckpointClient
 
 from ..context import BenchContext, log, settle
 from ..data import sparse_file
-from ..procstat import memory_kib
+from ..procstat import tree_memory_kib
 from ..stats import row
 
 GiB = 1024**3
@@ -37,7 +38,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     agent = ctx.start_agent("memory")
     try:
         path = sparse_file(ctx.ssd / RUN / "step-1" / "model.bin", size)
-        idle = memory_kib(agent.pid)
+        idle = tree_memory_kib(agent.pid)
         settle()
         began = time.perf_counter()
         with (
@@ -54,7 +55,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
                     raise RuntimeError(f"{RUN}:1 ended {state}")
                 time.sleep(0.5)
             seconds = time.perf_counter() - began
-            peak = memory_kib(agent.pid)
+            peak = tree_memory_kib(agent.pid)
             # Frees SeaweedFS's space (no admin token: the bench agent has no auth).
             http.delete(f"/v1/runs/{RUN}/checkpoints/1", params={"force": "true"})
         peak_mib = peak["VmHWM"] / 1024

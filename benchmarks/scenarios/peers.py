@@ -7,7 +7,7 @@ region is unreachable (a fault proxy answers 503), so what A spends between
 the registration and the copy being committed on B is the peer push alone
 (plus the SHA-256 pass the upload would have done first, and A's failing
 upload attempts, which cost little): CPU seconds per GB of A's process
-(the worker runs in it with a SQLite catalog). Time register → peer-safe
+and of its worker process. Time register → peer-safe
 is the catalog's clock (created_at → the copy's committed_at). Once the
 checkpoint is durable (files hashed, A idle) the copy is marked corrupt and
 pushed again, as the scrubber does: A's CPU per GB then is the push alone,
@@ -40,7 +40,7 @@ from tierckpt.service.models import Checkpoint, PeerCopy, Run, Shard
 
 from ..context import BenchContext, log, s3_region, settle
 from ..data import link_copy
-from ..procstat import cpu_seconds
+from ..procstat import tree_cpu_seconds
 from ..stats import GB, row
 
 NAME = "peers"
@@ -133,14 +133,14 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             step = ctx.next_step()
             data = link_copy(ctx.dataset, ctx.ssd / RUN / f"step-{step}")
             settle()
-            cpu_a, cpu_b = cpu_seconds(a.pid), cpu_seconds(b.pid)
+            cpu_a, cpu_b = tree_cpu_seconds(a.pid), tree_cpu_seconds(b.pid)
             answer = http.post(
                 f"{a.url}/v1/checkpoints", json={"run": RUN, "step": step, "path": str(data.root)}
             )
             answer.raise_for_status()
             url = f"{a.url}/v1/runs/{RUN}/checkpoints/{step}"
             detail = _poll("peer-safe", lambda: (d := http.get(url).json())["peer_safe"] and d)
-            cpu_a, cpu_b = cpu_seconds(a.pid) - cpu_a, cpu_seconds(b.pid) - cpu_b
+            cpu_a, cpu_b = tree_cpu_seconds(a.pid) - cpu_a, tree_cpu_seconds(b.pid) - cpu_b
             committed = max(p["committed_at"] for p in detail["peers"])
             to_peer_safe = _seconds(detail["created_at"], committed)
             log(f"peers: register → peer-safe {to_peer_safe:.2f}s, A {cpu_a:.2f} CPU s")
@@ -149,7 +149,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             # The push alone: the files hashed, the upload done, A idle. B's
             # copy is marked corrupt and a push queued, as the scrubber does.
             settle()
-            cpu_a2, cpu_b2 = cpu_seconds(a.pid), cpu_seconds(b.pid)
+            cpu_a2, cpu_b2 = tree_cpu_seconds(a.pid), tree_cpu_seconds(b.pid)
             started = time.perf_counter()
             _push_again(catalog["url"], step)
             _poll(
@@ -160,7 +160,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
                 ),
             )
             push_seconds = time.perf_counter() - started
-            cpu_a2, cpu_b2 = cpu_seconds(a.pid) - cpu_a2, cpu_seconds(b.pid) - cpu_b2
+            cpu_a2, cpu_b2 = tree_cpu_seconds(a.pid) - cpu_a2, tree_cpu_seconds(b.pid) - cpu_b2
             log(f"peers: push alone {push_seconds:.2f}s, A {cpu_a2:.2f} B {cpu_b2:.2f} CPU s")
             # Asked of B: its own copy is the peer source, its region the S3 one.
             plan = RestorePlan.model_validate(

@@ -40,7 +40,7 @@ from tierckpt.client import CheckpointClient
 
 from ..context import BASELINE_PREFIX, BenchContext, log, settle
 from ..data import Dataset, MiB, link_copy, write_random
-from ..procstat import cpu_seconds, memory_kib, self_cpu_seconds
+from ..procstat import cpu_seconds, self_cpu_seconds, tree_cpu_seconds, tree_memory_kib
 from ..stats import MB, compared_rows, percentile, ratios, row
 
 NAME = "upload"
@@ -82,7 +82,7 @@ def _durable_poll(
 
 def _cpu_marks(ctx: BenchContext) -> dict[str, float]:
     return {
-        "agent": cpu_seconds(ctx.agent.pid),
+        "agent": tree_cpu_seconds(ctx.agent.pid),
         "seaweed": cpu_seconds(ctx.seaweed.pid or 0),
         "bench": self_cpu_seconds(),
     }
@@ -121,7 +121,7 @@ def measure_tierckpt(ctx: BenchContext, rep: int) -> dict[str, Any]:
         "server_seconds": server_seconds,
         "polls": polls,
         "step": step,
-        "agent_memory_kib": memory_kib(ctx.agent.pid),
+        "agent_memory_kib": tree_memory_kib(ctx.agent.pid),
         **_cpu_delta(before, after),
     }
 
@@ -282,7 +282,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     measures = variants(ctx)
     names = list(measures)
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    memory_idle = memory_kib(ctx.agent.pid)
+    memory_idle = tree_memory_kib(ctx.agent.pid)
     for rep in range(ctx.reps):
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
@@ -291,7 +291,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             results[name].append(result)
             mbps = ctx.dataset.total_bytes / result["seconds"] / MB
             log(f"upload rep {rep + 1}/{ctx.reps} {name:<16} {mbps:7.1f} MB/s")
-    memory_peak = memory_kib(ctx.agent.pid)
+    memory_peak = tree_memory_kib(ctx.agent.pid)
     costs = poll_cost(ctx, results["tierckpt"][-1]["step"])
     tiny = fixed_cost(ctx)
     per_poll = costs["list_entry"]
